@@ -1,0 +1,45 @@
+"""hf-midx: adaptive sampled softmax with an inverted multi-index for large-vocabulary LM training.
+
+The algorithm (``index``, ``quantizers``, ``samplers``, ``loss``, ``codebooks``) is plain PyTorch.
+The Hugging Face layer (``config``, ``head``, ``trainer``, ``model_card``) is imported lazily, so
+``import hf_midx`` does not import transformers until one of its names is used.
+"""
+
+from importlib import import_module
+
+from .codebooks import LearnableCodebooks
+from .index import MidxIndex
+from .loss import full_softmax_loss, sampled_softmax_loss
+from .samplers import SAMPLERS, Sampler, build_sampler, kl_to_softmax
+from .version import __version__
+
+# Public names of the transformers layer -> the module that defines them.
+_LAZY = {
+    "MidxConfig": "config",
+    "MidxLMHead": "head",
+    "MidxTrainer": "trainer",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'hf_midx' has no attribute {name!r}")
+
+
+__all__ = sorted(
+    [
+        "LearnableCodebooks",
+        "MidxConfig",
+        "MidxIndex",
+        "MidxLMHead",
+        "MidxTrainer",
+        "SAMPLERS",
+        "Sampler",
+        "__version__",
+        "build_sampler",
+        "full_softmax_loss",
+        "kl_to_softmax",
+        "sampled_softmax_loss",
+    ]
+)
