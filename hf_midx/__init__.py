@@ -17,6 +17,7 @@ from .version import __version__
 _LAZY = {
     "MidxConfig": "config",
     "MidxLMHead": "head",
+    "MidxNonFiniteError": "trainer",
     "MidxTrainer": "trainer",
 }
 
@@ -33,6 +34,7 @@ __all__ = sorted(
         "MidxConfig",
         "MidxIndex",
         "MidxLMHead",
+        "MidxNonFiniteError",
         "MidxTrainer",
         "SAMPLERS",
         "Sampler",

@@ -1,10 +1,19 @@
 """Learnable codebooks: the codewords as parameters, trained on the paper's objective.
 
     L = L_recon + kl_weight * L_KL
-    L_recon = mean_i || q_hat_i - q_i ||^2,   q_hat_i = soft reconstruction of q_i:
-        pq: [ sum_k w1_ik c1_k , sum_k w2_ik c2_k ]  with w_l = softmax_k(q_i^l . c_k^l)
-        rq: sum_k w1_ik c1_k + sum_k w2_ik c2_k      with w2 on the residual q_i - sum_k w1_ik c1_k
+    L_recon = mean_i || q_hat_i - q_i ||^2
     L_KL = mean_z KL( softmax(z . q) || softmax(z . q_hat) )   over the caller's subset of queries
+
+q_hat_i is the paper's soft reconstruction of class i:
+        pq: [ sum_k w1_ik c1_k , sum_k w2_ik c2_k ]  with w_l = softmax_k(-||q_i^l - c_k^l||^2)
+        rq: sum_k w1_ik c1_k + sum_k w2_ik c2_k      with w2 on the residual q_i - sum_k w1_ik c1_k
+
+The paper writes the soft weights as softmax_k(q . c_k). We use softmax_k(-||q - c_k||^2) =
+softmax_k(2 q . c_k - ||c_k||^2): the paper's inner product plus a codeword-norm term, so that the
+weights peak on the nearest codeword, which is the hard code the index assigns when the sampler adopts
+the codebooks (``MidxIndex.set_codebooks``). With the bare inner product the weights peak on the
+codeword of largest q . c_k instead, the objective describes another quantization than the one the
+sampler uses, and training could raise the deployed proposal's KL (seen with pq in the tests).
 
 Shapes: V classes, D dims, K codewords, S queries in the KL subset. The class embeddings are detached,
 so gradients reach the codewords only. The KL costs O(S V D): the caller bounds it through S.
@@ -17,6 +26,16 @@ from torch import nn
 
 from . import quantizers
 from ._checks import check_matrix
+
+
+def _soft_assign(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Soft codeword weights softmax_k(-||x_n - c_k||^2) for (N, d) x and (K, d) codewords; (N, K).
+
+    Computed as softmax_k(2 x . c_k - ||c_k||^2) (the ||x||^2 term cancels); its argmax is the nearest
+    codeword, as in ``quantizers.encode`` (see the module docstring).
+    """
+    logits = 2.0 * (x @ codebook.t()) - (codebook * codebook).sum(1)
+    return torch.softmax(logits, dim=1)
 
 
 class LearnableCodebooks(nn.Module):
@@ -58,11 +77,9 @@ class LearnableCodebooks(nn.Module):
         """q_hat for (N, D) embeddings (detached inside), (N, D) float32, differentiable in the codewords."""
         q = embeddings.detach().float()
         d1, d2 = quantizers.split_dims(self.quantizer, q.shape[1])
-        w1 = torch.softmax(q[:, d1] @ self.codebook1.t(), dim=1)
-        r1 = w1 @ self.codebook1
+        r1 = _soft_assign(q[:, d1], self.codebook1) @ self.codebook1
         second = q[:, d2] - r1 if self.quantizer == "rq" else q[:, d2]
-        w2 = torch.softmax(second @ self.codebook2.t(), dim=1)
-        r2 = w2 @ self.codebook2
+        r2 = _soft_assign(second, self.codebook2) @ self.codebook2
         return torch.cat([r1, r2], dim=1) if self.quantizer == "pq" else r1 + r2
 
     def forward(

@@ -99,9 +99,18 @@ class MidxIndex:
     def set_codebooks(self, codebooks: tuple[torch.Tensor, torch.Tensor], embeddings: torch.Tensor) -> None:
         """Use the given codebooks and recompute the hard codes and bucket tables; O(V K D), in place."""
         check_matrix("embeddings", embeddings)
-        cbs = (codebooks[0].detach().float(), codebooks[1].detach().float())
+        # Copies: callers pass views of parameters (LearnableCodebooks) that an optimizer updates in place.
+        cbs = (codebooks[0].detach().float().clone(), codebooks[1].detach().float().clone())
         for i, c in enumerate(cbs):
             check_matrix(f"codebooks[{i}]", c)
+        # Checked here so that a mismatch reads as a ValueError, not as a matmul shape error in encode.
+        s1, s2 = self.dim_slices(embeddings.shape[1])
+        want = (s1.stop - s1.start, s2.stop - s2.start)
+        if (cbs[0].shape[1], cbs[1].shape[1]) != want:
+            raise ValueError(
+                f"codebooks have widths ({cbs[0].shape[1]}, {cbs[1].shape[1]}) but the {self.quantizer!r} "
+                f"quantizer over D={embeddings.shape[1]} dims needs {want}."
+            )
         codes = quantizers.encode(self.quantizer, embeddings.detach(), cbs)
         self._set(cbs, codes)
 

@@ -137,12 +137,18 @@ def sampled_softmax_loss(
             f"The sampler indexes {sampler.num_classes} classes but weight has {weight.shape[0]} rows; "
             "refresh or rebuild the sampler for this head."
         )
+    if hidden.dtype != weight.dtype:
+        # e.g. fp32 hidden states from a norm layer against a bf16 head: one dtype for the matmuls.
+        hidden = hidden.to(weight.dtype)
     valid = labels != ignore_index
     h = hidden[valid]
     y = labels[valid]
     if h.shape[0] == 0:
-        # No token counts: a zero that still belongs to the graph, so backward gives zero gradients.
+        # No token counts: a zero that still belongs to the graph (bias included), so backward gives
+        # zero gradients, not None or an "unused tensor" error.
         zero = (hidden.sum() * 0.0 + weight.sum() * 0.0).float()
+        if bias is not None:
+            zero = zero + (bias.sum() * 0.0).float()
         return _reduce(zero.reshape(1)[:0], valid, reduction) if reduction == "none" else zero
 
     pos = (h * weight[y]).sum(-1).float()
@@ -195,19 +201,31 @@ def full_softmax_loss(
         float32 scalar ("mean"/"sum") or (T,) ("none").
     """
     _validate(hidden, weight, labels, bias, ignore_index, reduction)
+    labels = labels.long()  # cross_entropy (and the chunked path) need int64 targets; int32 ids are common
     if logit_softcap is None and hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
-        loss = F.linear_cross_entropy(
+        # Per-token losses, reduced here in float32: with bf16 inputs torch reduces in bf16, which
+        # is off by ~10% for a few thousand tokens (the running sum outgrows bf16's 8-bit mantissa).
+        per_token = F.linear_cross_entropy(
             hidden,
             weight,
             labels,
             linear_bias=bias,
-            reduction="sum" if reduction == "mean" else reduction,
+            reduction="none",
             ignore_index=ignore_index,
             options=torch.nn.LinearCrossEntropyOptions(),
         ).float()
-        if reduction == "mean":
-            loss = loss / max(int((labels != ignore_index).sum()), 1)
-        return loss
+    else:
+        per_token = _chunked_ce(hidden, weight, bias, labels, ignore_index, logit_softcap, chunk_size)
+    if reduction == "none":
+        return per_token
+    total = per_token.sum()
+    if reduction == "sum":
+        return total
+    return total / max(int((labels != ignore_index).sum()), 1)
+
+
+def _chunked_ce(hidden, weight, bias, labels, ignore_index, logit_softcap, chunk_size):
+    """(T,) float32 per-token cross-entropy, chunk by chunk, each chunk's logits recomputed in backward."""
     chunk = chunk_size or max(1, _GATHER_ELEMENTS // 2 // max(weight.shape[0], 1))
     pieces = []
     for s in range(0, hidden.shape[0], chunk):
@@ -223,13 +241,7 @@ def full_softmax_loss(
                 use_reentrant=False,
             )
         )
-    per_token = torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
-    if reduction == "none":
-        return per_token
-    total = per_token.sum()
-    if reduction == "sum":
-        return total
-    return total / max(int((labels != ignore_index).sum()), 1)
+    return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
 
 
 def _chunk_ce(hidden, weight, bias, labels, ignore_index, cap):

@@ -92,7 +92,8 @@ class Sampler:
         check_ids("ids", ids, self.num_classes)
         if ids.dim() == 0 or ids.shape[0] != q.shape[0]:
             raise ValueError(f"ids must have shape (T, ...) with T={q.shape[0]} queries, got {tuple(ids.shape)}.")
-        flat = ids.reshape(ids.shape[0], -1).to(self.device)
+        # Explicit width (not -1): reshape(0, -1) is ambiguous for an empty batch of queries.
+        flat = ids.reshape(ids.shape[0], math.prod(ids.shape[1:])).to(self.device)
         return self._log_prob(q, flat).reshape(ids.shape)
 
     def sample_shared(
@@ -137,10 +138,21 @@ class Sampler:
         """Tensors that define the proposal and the RNG position (for safetensors checkpoints)."""
         state = {name: getattr(self, name).contiguous() for name in self._state_names}
         state["generator_state"] = self.generator.get_state()
+        # V is stored explicitly: proposals without per-class tensors (uniform) could not refuse a
+        # checkpoint of another vocabulary otherwise.
+        state["num_classes"] = torch.tensor(self.num_classes, dtype=torch.int64, device=self.device)
         return state
+
+    def _check_num_classes(self, state: dict[str, torch.Tensor]) -> None:
+        if "num_classes" in state and int(state["num_classes"]) != self.num_classes:
+            raise ValueError(
+                f"{self.name} sampler state is for V={int(state['num_classes'])} classes, this sampler has "
+                f"V={self.num_classes}: the checkpoint comes from another vocabulary."
+            )
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore from :meth:`state_dict`; raises ValueError on missing keys or other shapes."""
+        self._check_num_classes(state)
         for name in self._state_names:
             if name not in state:
                 raise ValueError(f"{self.name} sampler state is missing {name!r}; it was saved by another sampler.")
@@ -230,6 +242,9 @@ class _TableSampler(Sampler):
     _state_names = ("log_table",)
 
     def _sample(self, q, m, gen):
+        if q.shape[0] == 0:  # torch.multinomial refuses to draw 0 samples
+            ids = torch.empty(0, m, dtype=torch.long, device=self.device)
+            return ids, self.log_table[ids]
         flat = torch.multinomial(self.log_table.exp(), q.shape[0] * m, replacement=True, generator=gen)
         ids = flat.view(q.shape[0], m)
         return ids, self.log_table[ids]
@@ -424,9 +439,11 @@ class MidxSampler(Sampler):
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {f"index.{k}": v.contiguous() for k, v in self.index.state_dict().items()}
         state["generator_state"] = self.generator.get_state()
+        state["num_classes"] = torch.tensor(self.num_classes, dtype=torch.int64, device=self.device)
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._check_num_classes(state)
         self.index.load_state_dict({k[len("index.") :]: v for k, v in state.items() if k.startswith("index.")})
         if "generator_state" in state:
             self.generator.set_state(state["generator_state"].cpu().to(torch.uint8))
@@ -531,6 +548,7 @@ class MidxExactSampler(MidxSampler):
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._check_num_classes(state)
         if "embeddings" not in state or tuple(state["embeddings"].shape) != tuple(self.embeddings.shape):
             raise ValueError("midx-exact sampler state lacks embeddings of this sampler's (V, D) shape.")
         super().load_state_dict(state)
@@ -702,7 +720,9 @@ class LSHSampler(Sampler):
         start = self._offsets[tables, h.gather(1, tables)]
         u = torch.rand(t, m, dtype=torch.float64, device=self.device, generator=gen)
         pos = start + torch.minimum((u * size).long(), (size - 1).clamp_min(0))
-        from_bucket = self._order[tables, pos]
+        # A query none of whose buckets holds a class (no table usable) draws uniformly below; its
+        # empty bucket may start at V, so clamp the throw-away position to keep the gather in range.
+        from_bucket = self._order[tables, pos.clamp_max(self.num_classes - 1)]
         uniform = torch.randint(self.num_classes, (t, m), device=self.device, generator=gen)
         use_uniform = (torch.rand(t, m, device=self.device, generator=gen) < self.mix) | ~has_any
         ids = torch.where(use_uniform, uniform, from_bucket)
@@ -811,5 +831,7 @@ def kl_to_softmax(
             logits = logits + bias.detach().float().to(q.device)
         log_p = torch.log_softmax(logits, dim=1)
         log_q = sampler.full_log_prob(q[rows])
-        total = total + (log_q.exp() * (log_q - log_p)).sum()
+        # Classes with Q = 0 (e.g. LSH without its uniform mix) add 0 log 0 = 0, not 0 * -inf = NaN.
+        terms = torch.where(log_q > -math.inf, log_q.exp() * (log_q - log_p), torch.zeros_like(log_q))
+        total = total + terms.sum()
     return total / max(q.shape[0], 1)

@@ -1,0 +1,293 @@
+"""MidxConfig: every option of the MIDX head and trainer in one validated dataclass.
+
+The config is plain data: it saves to and loads from ``midx_config.json`` (with the hf-midx version
+stamped in), and :meth:`MidxConfig.sampler_kwargs` turns it into the arguments of
+:func:`hf_midx.build_sampler`. Sampler names come from :data:`hf_midx.samplers.SAMPLERS` and sampler
+options from :data:`hf_midx.samplers.SAMPLER_OPTIONS`; this module does not repeat either list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from .loss import NEGATIVE_MODES
+from .quantizers import KMEANS_BACKENDS
+from .samplers import SAMPLER_OPTIONS, SAMPLERS
+from .version import __version__
+
+#: File name of a saved config inside a model or checkpoint directory.
+CONFIG_NAME = "midx_config.json"
+
+#: How the MIDX codebooks are obtained: k-means on the head weight, or learned with the paper's objective.
+CODEBOOK_MODES = ("kmeans", "learned")
+
+# Sampler options that are config fields of their own; setting them twice would be ambiguous.
+_OPTIONS_WITH_FIELDS = ("kmeans_iters", "kmeans_backend")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class MidxConfig:
+    """Configuration of MIDX sampled-softmax training (the head, its sampler and the trainer's schedule).
+
+    Every field has a default; :meth:`__post_init__` validates all of them and raises ``ValueError``
+    saying what to change. Use :meth:`save_pretrained` / :meth:`from_pretrained` for JSON files.
+    """
+
+    sampler: str = field(
+        default="midx-rq",
+        metadata={"help": f"Proposal distribution for the negatives; one of {', '.join(sorted(SAMPLERS))}."},
+    )
+    num_samples: int = field(
+        default=100,
+        metadata={
+            "help": "Negatives per token (M) with negatives='per-query', or the size of the shared pool (P) "
+            "with negatives='shared'. Must be smaller than the vocabulary."
+        },
+    )
+    codebook_size: int = field(
+        default=64,
+        metadata={"help": "Codewords per codebook (K) of the MIDX samplers; K*K buckets. Ignored by other samplers."},
+    )
+    negatives: str = field(
+        default="per-query",
+        metadata={
+            "help": "'per-query': each token draws its own negatives from Q(.|z_t) (the paper); 'shared': one "
+            "pool per batch drawn from the batch mixture, scored with one matmul."
+        },
+    )
+    codebooks: str = field(
+        default="kmeans",
+        metadata={
+            "help": "'kmeans': codebooks from k-means on the head weight at every refresh; 'learned': codebooks "
+            "trained with the reconstruction + KL objective (MIDX samplers only)."
+        },
+    )
+    refresh_every_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Rebuild the sampler from the current head weight every this many optimizer steps (0: never)."
+        },
+    )
+    refresh_every_epoch: bool = field(
+        default=True, metadata={"help": "Rebuild the sampler from the current head weight at the start of every epoch."}
+    )
+    kmeans_iters: int = field(default=20, metadata={"help": "Lloyd iterations per codebook at every (re)build."})
+    kmeans_backend: str = field(
+        default="torch",
+        metadata={
+            "help": f"K-means implementation: one of {KMEANS_BACKENDS} ('faiss' needs pip install 'hf-midx[faiss]')."
+        },
+    )
+    remove_accidental_hits: bool = field(
+        default=True, metadata={"help": "Drop a sampled negative that equals the token's own label."}
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the sampler's generator and of k-means."})
+    sampler_options: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": f"Extra sampler options (see hf_midx.samplers.SAMPLER_OPTIONS: {', '.join(SAMPLER_OPTIONS)})."
+        },
+    )
+    codebook_learning_rate: float = field(
+        default=1e-3, metadata={"help": "Learning rate of the codewords when codebooks='learned'."}
+    )
+    kl_weight: float = field(
+        default=1.0,
+        metadata={"help": "Weight of the KL term in the learned-codebook objective (recon + kl_weight * KL)."},
+    )
+    kl_queries: int = field(
+        default=64,
+        metadata={
+            "help": "Hidden states per step used for the learned-codebook KL and for the logged KL; O(kl_queries * V)."
+        },
+    )
+    log_kl: bool = field(
+        default=True,
+        metadata={"help": "Log KL(Q || softmax) of the sampler on kl_queries hidden states at each logging step."},
+    )
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampler, str) or self.sampler not in SAMPLERS:
+            raise ValueError(f"Unknown sampler {self.sampler!r}; choose one of: {', '.join(sorted(SAMPLERS))}.")
+        self._check_int("num_samples", 1)
+        self._check_int("codebook_size", 1)
+        if self.negatives not in NEGATIVE_MODES:
+            raise ValueError(f"negatives must be one of {NEGATIVE_MODES}, got {self.negatives!r}.")
+        if self.codebooks not in CODEBOOK_MODES:
+            raise ValueError(f"codebooks must be one of {CODEBOOK_MODES}, got {self.codebooks!r}.")
+        if self.codebooks == "learned" and not self.sampler.startswith("midx"):
+            midx = sorted(name for name in SAMPLERS if name.startswith("midx"))
+            raise ValueError(
+                f"codebooks='learned' needs a MIDX sampler ({', '.join(midx)}), but sampler={self.sampler!r} has "
+                "no codebooks; use codebooks='kmeans' or pick a MIDX sampler."
+            )
+        self._check_int("refresh_every_steps", 0)
+        self._check_bool("refresh_every_epoch")
+        self._check_int("kmeans_iters", 0)
+        if self.kmeans_backend not in KMEANS_BACKENDS:
+            raise ValueError(f"kmeans_backend must be one of {KMEANS_BACKENDS}, got {self.kmeans_backend!r}.")
+        self._check_bool("remove_accidental_hits")
+        self._check_int("seed", 0)
+        if not isinstance(self.sampler_options, dict):
+            raise ValueError(
+                f"sampler_options must be a dict of option name -> value, got {type(self.sampler_options).__name__}."
+            )
+        unknown = sorted(str(k) for k in self.sampler_options if k not in SAMPLER_OPTIONS)
+        if unknown:
+            raise ValueError(f"Unknown sampler option(s) {unknown}; known options: {', '.join(SAMPLER_OPTIONS)}.")
+        doubled = sorted(k for k in self.sampler_options if k in _OPTIONS_WITH_FIELDS)
+        if doubled:
+            raise ValueError(
+                f"Set {', '.join(doubled)} as MidxConfig field(s), not inside sampler_options "
+                f"(e.g. MidxConfig({doubled[0]}=...))."
+            )
+        self._check_float("codebook_learning_rate", positive=True)
+        self._check_float("kl_weight", positive=False)
+        self._check_int("kl_queries", 1)
+        self._check_bool("log_kl")
+
+    def _check_int(self, name: str, minimum: int) -> None:
+        value = getattr(self, name)
+        if not _is_int(value) or value < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+
+    def _check_bool(self, name: str) -> None:
+        value = getattr(self, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}.")
+
+    def _check_float(self, name: str, *, positive: bool) -> None:
+        value = getattr(self, name)
+        ok = _is_number(value) and value == value and abs(value) != float("inf")
+        ok = ok and (value > 0 if positive else value >= 0)
+        if not ok:
+            raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}.")
+        setattr(self, name, float(value))
+
+    # ------------------------------------------------------------------ use
+    def sampler_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``build_sampler(config.sampler, weight, class_counts=..., **kwargs)``."""
+        return {
+            "codebook_size": self.codebook_size,
+            "seed": self.seed,
+            "kmeans_iters": self.kmeans_iters,
+            "kmeans_backend": self.kmeans_backend,
+            **self.sampler_options,
+        }
+
+    def replace(self, **changes) -> "MidxConfig":
+        """A validated copy with some fields changed; raises ValueError naming unknown fields."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ValueError(
+                f"Unknown MidxConfig field(s) {unknown}; "
+                f"known fields: {', '.join(f.name for f in dataclasses.fields(self))}."
+            )
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ serialization
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict (a deep copy)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MidxConfig":
+        """Build a config from a dict; unknown keys are ignored with a warning, the version stamp silently."""
+        if not isinstance(data, dict):
+            raise ValueError(f"A MidxConfig is built from a dict, got {type(data).__name__}.")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in data if k not in names and k != "hf_midx_version")
+        if unknown:
+            warnings.warn(
+                f"Ignoring unknown MidxConfig key(s) {unknown} (written by another hf-midx version?).",
+                UserWarning,
+                stacklevel=2,
+            )
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
+        """Write ``save_directory/midx_config.json`` atomically (temporary file, then rename).
+
+        Creates the directory if needed. Returns the path of the written file.
+        """
+        save_directory = os.fspath(save_directory)
+        if os.path.isfile(save_directory):
+            raise ValueError(f"save_pretrained needs a directory, but {save_directory!r} is a file.")
+        os.makedirs(save_directory, exist_ok=True)
+        data = {**self.to_dict(), "hf_midx_version": __version__}
+        path = os.path.join(save_directory, CONFIG_NAME)
+        fd, tmp = tempfile.mkstemp(prefix=f".{CONFIG_NAME}.", suffix=".tmp", dir=save_directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=2, sort_keys=True)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **hub_kwargs) -> "MidxConfig":
+        """Load a config saved by :meth:`save_pretrained`.
+
+        Args:
+            path: a directory holding ``midx_config.json``, the file itself, or a Hub repo id (then
+                ``hub_kwargs`` such as ``revision`` go to ``huggingface_hub.hf_hub_download``).
+        Raises:
+            ValueError: the file is missing, unreadable, not JSON, or holds invalid values.
+        """
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            file = os.path.join(path, CONFIG_NAME)
+            if not os.path.isfile(file):
+                raise ValueError(
+                    f"No {CONFIG_NAME} in {path!r}; save one with MidxConfig.save_pretrained({path!r}) "
+                    "or pass the directory that holds it."
+                )
+        elif os.path.isfile(path):
+            file = path
+        else:
+            file = cls._download(path, hub_kwargs)
+        try:
+            with open(file, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"Cannot read {file!r}: {err}.") from err
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{file!r} is not valid JSON ({err}); write it with MidxConfig.save_pretrained.") from err
+        if not isinstance(data, dict):
+            raise ValueError(f"{file!r} must hold a JSON object of MidxConfig fields, got {type(data).__name__}.")
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"Invalid MidxConfig in {file!r}: {err}") from err
+
+    @staticmethod
+    def _download(repo_id: str, hub_kwargs: dict) -> str:
+        try:
+            from huggingface_hub import hf_hub_download
+
+            return hf_hub_download(repo_id, CONFIG_NAME, **hub_kwargs)
+        except Exception as err:  # not a local path and not downloadable: one clear message
+            raise ValueError(
+                f"{repo_id!r} is neither a local directory or file nor a Hub repo with {CONFIG_NAME} ({err})."
+            ) from err

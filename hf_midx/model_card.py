@@ -1,0 +1,226 @@
+"""Model cards for models trained with MIDX: transformers' metadata plus the MIDX training facts.
+
+The template is ``model_cards/midx_model_card.md`` at the repository's top level (the one copy), shipped
+inside the package as ``hf_midx.model_cards`` (see pyproject.toml) and rendered with ``huggingface_hub.ModelCard.from_template``.
+:class:`hf_midx.MidxTrainer` writes the card as ``README.md`` from ``save_model``, ``create_model_card`` and
+``push_to_hub``; :func:`render_model_card` is usable on its own.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .config import MidxConfig
+from .version import __version__
+
+
+
+def _template_path() -> Path:
+    # A wheel holds model_cards/ as the subpackage hf_midx.model_cards; an editable install of a
+    # checkout imports hf_midx from the repository, where the folder sits beside the package.
+    try:
+        return Path(str(resources.files("hf_midx.model_cards").joinpath("midx_model_card.md")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / "model_cards" / "midx_model_card.md"
+
+
+#: The Jinja template of the card.
+TEMPLATE_PATH = _template_path()
+
+#: Tags every MIDX card carries (the sampler's name is added to them).
+DEFAULT_TAGS = ("hf-midx", "sampled-softmax", "midx")
+
+# Trainer metrics reported as training throughput, with their labels in the card.
+_THROUGHPUT_KEYS = {
+    "train_tokens_per_second": "Training throughput (tokens/s)",
+    "train_samples_per_second": "Training throughput (samples/s)",
+    "train_steps_per_second": "Training throughput (optimizer steps/s)",
+    "train_runtime": "Training time (s)",
+}
+
+
+def _round(value: float, digits: int = 4) -> float | str:
+    if value is None:
+        return None
+    value = float(value)
+    if math.isinf(value) or math.isnan(value):
+        return str(value)
+    return float(f"{value:.{digits}g}")
+
+
+def _refresh_schedule(config: MidxConfig) -> str:
+    parts = []
+    if config.refresh_every_steps:
+        parts.append(f"every {config.refresh_every_steps} optimizer steps")
+    if config.refresh_every_epoch:
+        parts.append("at the start of every epoch")
+    if not parts:
+        return "never (the sampler built when the head was wrapped was kept)"
+    if config.codebooks == "learned":
+        how = "hard codes recomputed from the learned codebooks"
+    else:
+        how = "warm-started k-means"
+    return " and ".join(parts) + f" ({how})"
+
+
+def midx_training_facts(
+    config: MidxConfig,
+    log_history: Iterable[Mapping[str, Any]] = (),
+    *,
+    num_classes: int | None = None,
+) -> dict[str, Any]:
+    """The MIDX facts a card reports, from the config and a Trainer's ``state.log_history``.
+
+    Returns a dict with the sampler settings, the refresh schedule, the last exact evaluation
+    (``eval_loss`` / ``eval_perplexity``, None if never evaluated), the logged KL and refresh times,
+    and the training throughput the Trainer measured (``train_*_per_second``).
+    """
+    history = list(log_history)
+    is_midx = config.sampler.startswith("midx")
+    eval_entries = [e for e in history if "eval_loss" in e]
+    last_eval = eval_entries[-1] if eval_entries else None
+    eval_loss = None if last_eval is None else last_eval["eval_loss"]
+    eval_ppl = None
+    if last_eval is not None:
+        eval_ppl = last_eval.get("eval_perplexity")
+        if eval_ppl is None:
+            eval_ppl = math.exp(eval_loss) if eval_loss < 700 else math.inf
+    kls = [e["midx/kl"] for e in history if "midx/kl" in e]
+    refresh_times = [e["midx/refresh_seconds"] for e in history if "midx/refresh_seconds" in e]
+    final = next((e for e in reversed(history) if "train_runtime" in e), {})
+    throughput = {label: _round(final[key]) for key, label in _THROUGHPUT_KEYS.items() if key in final}
+    if config.codebooks == "learned":
+        codebooks_text = (
+            f"learned (reconstruction + {config.kl_weight:g} x KL objective, Adam lr "
+            f"{config.codebook_learning_rate:g}, {config.kl_queries} hidden states per step), initialised by k-means"
+        )
+    else:
+        codebooks_text = f"k-means ({config.kmeans_iters} Lloyd iterations, {config.kmeans_backend} backend)"
+    return {
+        "sampler": config.sampler,
+        "is_midx": is_midx,
+        "quantizer": "product (pq)" if config.sampler == "midx-pq" else "residual (rq)",
+        "codebook_size": config.codebook_size,
+        "buckets": config.codebook_size**2,
+        "num_samples": config.num_samples,
+        "negatives": config.negatives,
+        "negatives_text": (
+            "per token (each token draws its own from its proposal, the paper's setting)"
+            if config.negatives == "per-query"
+            else "in one pool shared by the batch (drawn from the batch's mixture proposal)"
+        ),
+        "negatives_short": "per token" if config.negatives == "per-query" else "shared by each batch",
+        "remove_accidental_hits": config.remove_accidental_hits,
+        "codebooks": config.codebooks,
+        "codebooks_text": codebooks_text,
+        "refresh_every_steps": config.refresh_every_steps,
+        "refresh_every_epoch": config.refresh_every_epoch,
+        "refresh_schedule": _refresh_schedule(config),
+        "num_classes": num_classes,
+        "eval_loss": _round(eval_loss),
+        "eval_perplexity": _round(eval_ppl),
+        "kl_first": _round(kls[0]) if kls else None,
+        "kl_last": _round(kls[-1]) if kls else None,
+        "refreshes": len(refresh_times),
+        "refresh_seconds_mean": _round(sum(refresh_times) / len(refresh_times), 3) if refresh_times else None,
+        "throughput": throughput,
+    }
+
+
+def _versions() -> dict[str, str]:
+    import huggingface_hub
+    import torch
+    import transformers
+
+    versions = {"hf-midx": __version__, "Transformers": transformers.__version__, "Pytorch": torch.__version__}
+    try:
+        import accelerate
+
+        versions["Accelerate"] = accelerate.__version__
+    except ImportError:  # accelerate is a dependency of Trainer, but the card does not need it
+        pass
+    versions["huggingface_hub"] = huggingface_hub.__version__
+    return versions
+
+
+def render_model_card(
+    config: MidxConfig,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    model_name: str | None = None,
+    base_model: str | None = None,
+    tags: Iterable[str] = (),
+    hyperparameters: Mapping[str, Any] | None = None,
+    eval_table: str | None = None,
+    log_history: Iterable[Mapping[str, Any]] = (),
+    num_classes: int | None = None,
+    library_name: str = "transformers",
+    template_path: str | os.PathLike | None = None,
+):
+    """Render the MIDX model card.
+
+    Args:
+        config: the :class:`~hf_midx.MidxConfig` the model was trained with.
+        metadata: YAML metadata to start from, e.g. ``transformers.modelcard.TrainingSummary.create_metadata()``
+            (library_name, license, language, datasets, model-index...). ``library_name`` is set
+            from the argument of that name; ``pipeline_tag`` defaults to "text-generation".
+        model_name: the card's title.
+        base_model: the Hub id the model was fine-tuned from, if any (overrides ``metadata["base_model"]``).
+        tags: extra tags; :data:`DEFAULT_TAGS` and the sampler's name are always added.
+        hyperparameters: name -> value, listed under "Training hyperparameters".
+        eval_table: a Markdown table of the evaluations during training.
+        log_history: a Trainer's ``state.log_history`` (for eval perplexity, KL, refresh times, throughput).
+        num_classes: the vocabulary size V.
+        library_name: "transformers" for a full model, "peft" for an adapter saved by a PEFT model.
+        template_path: another Jinja template (default :data:`TEMPLATE_PATH`).
+    Returns:
+        a ``huggingface_hub.ModelCard``; ``card.save(path)`` writes it.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    meta = dict(metadata or {})
+    meta["library_name"] = library_name
+    meta.setdefault("pipeline_tag", "text-generation")
+    if base_model:
+        meta["base_model"] = base_model
+    base_model = meta.get("base_model") or None
+    all_tags = [*(meta.get("tags") or []), *DEFAULT_TAGS, config.sampler, *tags]
+    meta["tags"] = list(dict.fromkeys(str(t) for t in all_tags))
+    model_index = meta.get("model-index")
+    if model_index and not any(entry.get("results") for entry in model_index):
+        meta.pop("model-index")  # a name without results is rejected by the Hub's metadata check
+    card_data = ModelCardData(ignore_metadata_errors=True, **meta)
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(template_path or TEMPLATE_PATH),
+        model_name=model_name,
+        base_model=base_model,
+        midx=midx_training_facts(config, log_history, num_classes=num_classes),
+        hyperparameters=dict(hyperparameters or {}),
+        eval_table=eval_table or "",
+        versions=_versions(),
+        hf_midx_version=__version__,
+    )
+
+
+def save_model_card(card, directory: str | os.PathLike, filename: str = "README.md") -> str:
+    """Write ``card`` to ``directory/filename`` atomically (temporary file, then rename); returns the path."""
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, filename)
+    fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        card.save(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path

@@ -1,0 +1,167 @@
+"""MidxConfig: defaults, validation messages, JSON round trip and error handling."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hf_midx import MidxConfig, build_sampler  # noqa: E402
+from hf_midx.config import CONFIG_NAME  # noqa: E402
+from hf_midx.samplers import SAMPLER_OPTIONS, SAMPLERS  # noqa: E402
+from hf_midx.version import __version__  # noqa: E402
+
+
+def test_defaults_are_valid_and_documented():
+    config = MidxConfig()
+    assert config.sampler == "midx-rq" and config.num_samples == 100 and config.codebook_size == 64
+    assert config.negatives == "per-query" and config.codebooks == "kmeans"
+    assert config.refresh_every_steps == 0 and config.refresh_every_epoch is True
+    assert config.kmeans_iters == 20 and config.kmeans_backend == "torch"
+    assert config.remove_accidental_hits is True and config.seed == 0 and config.sampler_options == {}
+    assert config.codebook_learning_rate == 1e-3 and config.kl_weight == 1.0 and config.kl_queries == 64
+    assert config.log_kl is True
+    for f in dataclasses.fields(MidxConfig):
+        assert f.metadata.get("help"), f"field {f.name} has no help"
+    assert CONFIG_NAME == "midx_config.json"
+
+
+def test_sampler_options_default_is_not_shared():
+    a, b = MidxConfig(), MidxConfig()
+    a.sampler_options["sphere_alpha"] = 3.0
+    assert b.sampler_options == {}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLERS))
+def test_every_registered_sampler_is_accepted(name):
+    assert MidxConfig(sampler=name).sampler == name
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(sampler="softmax"), "Unknown sampler 'softmax'; choose one of: .*midx-rq"),
+        (dict(num_samples=0), "num_samples must be an integer >= 1"),
+        (dict(num_samples=2.5), "num_samples must be an integer"),
+        (dict(num_samples=True), "num_samples must be an integer"),
+        (dict(codebook_size=0), "codebook_size"),
+        (dict(negatives="pooled"), "negatives must be one of"),
+        (dict(codebooks="random"), "codebooks must be one of"),
+        (dict(sampler="uniform", codebooks="learned"), "codebooks='learned' needs a MIDX sampler"),
+        (dict(refresh_every_steps=-1), "refresh_every_steps must be an integer >= 0"),
+        (dict(refresh_every_epoch="yes"), "refresh_every_epoch must be True or False"),
+        (dict(kmeans_iters=-1), "kmeans_iters"),
+        (dict(kmeans_backend="sklearn"), "kmeans_backend must be one of"),
+        (dict(remove_accidental_hits=1), "remove_accidental_hits must be True or False"),
+        (dict(seed=-1), "seed must be an integer >= 0"),
+        (dict(sampler_options=["lsh_bits"]), "sampler_options must be a dict"),
+        (dict(sampler_options={"lsh_bitz": 4}), r"Unknown sampler option\(s\) \['lsh_bitz'\]; known options: "),
+        (dict(sampler_options={"kmeans_iters": 3}), "Set kmeans_iters as MidxConfig field"),
+        (dict(codebook_learning_rate=0.0), "codebook_learning_rate must be a finite number > 0"),
+        (dict(codebook_learning_rate=float("nan")), "codebook_learning_rate"),
+        (dict(kl_weight=-1.0), "kl_weight must be a finite number >= 0"),
+        (dict(kl_queries=0), "kl_queries must be an integer >= 1"),
+        (dict(log_kl=None), "log_kl must be True or False"),
+    ],
+)
+def test_invalid_values_raise_value_error(changes, message):
+    with pytest.raises(ValueError, match=message):
+        MidxConfig(**changes)
+
+
+def test_learned_codebooks_with_midx_samplers():
+    for name in SAMPLERS:
+        if name.startswith("midx"):
+            assert MidxConfig(sampler=name, codebooks="learned").codebooks == "learned"
+
+
+def test_integer_floats_are_accepted():
+    config = MidxConfig(codebook_learning_rate=1, kl_weight=0)
+    assert isinstance(config.codebook_learning_rate, float) and isinstance(config.kl_weight, float)
+
+
+def test_replace_validates_and_names_unknown_fields():
+    config = MidxConfig()
+    assert config.replace(num_samples=7).num_samples == 7 and config.num_samples == 100
+    with pytest.raises(ValueError, match=r"Unknown MidxConfig field\(s\) \['num_sample'\]"):
+        config.replace(num_sample=7)
+    with pytest.raises(ValueError, match="num_samples"):
+        config.replace(num_samples=0)
+
+
+def test_sampler_kwargs_build_a_sampler():
+    config = MidxConfig(codebook_size=4, kmeans_iters=3, seed=5, sampler_options={"quantizer": "pq"})
+    kwargs = config.sampler_kwargs()
+    assert kwargs == {"codebook_size": 4, "seed": 5, "kmeans_iters": 3, "kmeans_backend": "torch", "quantizer": "pq"}
+    assert set(kwargs) - {"codebook_size", "seed"} <= set(SAMPLER_OPTIONS)
+    sampler = build_sampler("midx-exact", torch.randn(50, 8), **kwargs)
+    assert sampler.quantizer == "pq" and sampler.index.codebook_size == 4
+
+
+def test_dict_round_trip():
+    config = MidxConfig(sampler="lsh", num_samples=10, negatives="shared", sampler_options={"lsh_bits": 3}, seed=4)
+    data = config.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert MidxConfig.from_dict(data) == config
+    data["sampler_options"]["lsh_bits"] = 5  # a copy, not the config's own dict
+    assert config.sampler_options == {"lsh_bits": 3}
+
+
+def test_from_dict_warns_about_unknown_keys():
+    with pytest.warns(UserWarning, match=r"unknown MidxConfig key\(s\) \['future_option'\]"):
+        config = MidxConfig.from_dict({"num_samples": 5, "future_option": 1, "hf_midx_version": "9.9"})
+    assert config.num_samples == 5
+    with pytest.raises(ValueError, match="from a dict"):
+        MidxConfig.from_dict([("num_samples", 5)])
+
+
+def test_json_file_round_trip(tmp_path):
+    config = MidxConfig(sampler="midx-pq", num_samples=33, codebooks="learned", kl_queries=8, log_kl=False)
+    path = config.save_pretrained(tmp_path / "run")
+    assert path == os.path.join(str(tmp_path / "run"), CONFIG_NAME)
+    assert sorted(os.listdir(tmp_path / "run")) == [CONFIG_NAME]  # no temporary file left behind
+    with open(path) as f:
+        data = json.load(f)
+    assert data["hf_midx_version"] == __version__ and data["num_samples"] == 33
+    assert MidxConfig.from_pretrained(tmp_path / "run") == config
+    assert MidxConfig.from_pretrained(path) == config  # the file itself
+    # overwriting replaces the file
+    MidxConfig(num_samples=9).save_pretrained(tmp_path / "run")
+    assert MidxConfig.from_pretrained(tmp_path / "run").num_samples == 9
+
+
+def test_save_pretrained_refuses_a_file(tmp_path):
+    file = tmp_path / "file.txt"
+    file.write_text("x")
+    with pytest.raises(ValueError, match="needs a directory"):
+        MidxConfig().save_pretrained(file)
+
+
+def test_from_pretrained_errors(tmp_path):
+    with pytest.raises(ValueError, match=f"No {CONFIG_NAME} in"):
+        MidxConfig.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="neither a local directory"):
+        MidxConfig.from_pretrained(tmp_path / "does-not-exist")
+    (tmp_path / CONFIG_NAME).write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        MidxConfig.from_pretrained(tmp_path)
+    (tmp_path / CONFIG_NAME).write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ValueError, match="Cannot read|not valid JSON"):
+        MidxConfig.from_pretrained(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        MidxConfig.from_pretrained(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({"num_samples": -4}))
+    with pytest.raises(ValueError, match="Invalid MidxConfig in .*num_samples must be an integer >= 1"):
+        MidxConfig.from_pretrained(tmp_path)
+
+
+def test_lazy_export():
+    import hf_midx
+
+    assert hf_midx.MidxConfig is MidxConfig

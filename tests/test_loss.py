@@ -1,0 +1,398 @@
+"""The sampled-softmax loss against a naive reference (same draws), its reductions and masking, the
+full-softmax reference, dtype handling, validation, and the gradient bias of the estimator."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_midx import build_sampler, full_softmax_loss, sampled_softmax_loss
+from hf_midx.samplers import Sampler
+
+V, D = 200, 12
+
+
+class FixedDraws(Sampler):
+    """A stub proposal that returns given draws: (T, M) ids / log_q per query, (P,) for the pool.
+
+    It lets a test feed the loss and the reference the very same negatives.
+    """
+
+    name = "fixed"
+
+    def __init__(self, num_classes, dim, ids, log_q, pool=None, log_qbar=None):
+        super().__init__(torch.zeros(num_classes, dim))
+        self.ids, self.log_q, self.pool, self.log_qbar = ids, log_q, pool, log_qbar
+        self.calls = []
+
+    def _sample(self, q, m, gen):
+        self.calls.append(q.clone())
+        return self.ids[: q.shape[0], :m], self.log_q[: q.shape[0], :m]
+
+    def _sample_shared(self, q, p, gen):
+        self.calls.append(q.clone())
+        return self.pool[:p], self.log_qbar[:p]
+
+
+def _inputs(t=10, *, seed=0, dtype=torch.float32, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(t, D, generator=g).to(dtype).requires_grad_(True)
+    weight = (0.5 * torch.randn(V, D, generator=g)).to(dtype).requires_grad_(True)
+    b = (0.3 * torch.randn(V, generator=g)).to(dtype).requires_grad_(True) if bias else None
+    labels = torch.randint(V, (t,), generator=g)
+    return hidden, weight, b, labels
+
+
+def _draws(t, m, *, seed=1, labels=None):
+    """Random ids with some forced accidental hits, and arbitrary (negative) log-probabilities."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(V, (t, m), generator=g)
+    if labels is not None:
+        ids[::3, 0] = labels[::3]  # every third token draws its own label once
+    log_q = -math.log(V) + 0.5 * torch.randn(t, m, generator=g)
+    return ids, log_q
+
+
+def reference_loss(hidden, weight, labels, ids, log_q, *, bias=None, shared=False, ignore_index=-100,
+                   remove_accidental_hits=True, reduction="mean", logit_softcap=None):
+    """The estimator written out naively in float64 from the full (T, V) logits.
+
+    ``ids``/``log_q``: (T', M) for the T' non-ignored tokens (per-query), or (P,) (shared).
+    """
+    valid = labels != ignore_index
+    h, y = hidden.double()[valid], labels[valid]
+    logits = h @ weight.double().t()
+    if bias is not None:
+        logits = logits + bias.double()
+    if logit_softcap is not None:
+        logits = logit_softcap * torch.tanh(logits / logit_softcap)
+    pos = logits.gather(1, y.unsqueeze(1)).squeeze(1)
+    if shared:
+        neg = logits[:, ids] - math.log(ids.shape[0]) - log_q.double().unsqueeze(0)
+        hits = ids.unsqueeze(0) == y.unsqueeze(1)
+    else:
+        neg = logits.gather(1, ids) - math.log(ids.shape[1]) - log_q.double()
+        hits = ids == y.unsqueeze(1)
+    if remove_accidental_hits:
+        neg = neg.masked_fill(hits, -math.inf)
+    per_token = torch.logsumexp(torch.cat([pos.unsqueeze(1), neg], 1), 1) - pos
+    if reduction == "none":
+        return torch.zeros(labels.shape, dtype=torch.float64).masked_scatter(valid, per_token)
+    return per_token.sum() if reduction == "sum" else per_token.sum() / max(int(valid.sum()), 1)
+
+
+def _grads(loss, tensors):
+    return torch.autograd.grad(loss.sum(), [x for x in tensors if x is not None])
+
+
+def _compare(loss, ref, leaves):
+    """Loss and gradients (hidden, weight, bias) of the engine against the float64 reference."""
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), ref, atol=1e-5, rtol=1e-5)
+    for got, want in zip(_grads(loss, leaves), _grads(ref, leaves), strict=True):
+        torch.testing.assert_close(got.double(), want.double(), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ vs reference
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("remove", [True, False])
+def test_per_query_matches_reference(reduction, with_bias, remove):
+    hidden, weight, bias, labels = _inputs(bias=with_bias)
+    labels[[2, 5]] = -100
+    valid = labels != -100
+    ids, log_q = _draws(int(valid.sum()), 16, labels=labels[valid])
+    sampler = FixedDraws(V, D, ids, log_q)
+    loss = sampled_softmax_loss(hidden, weight, labels, sampler, 16, bias=bias, reduction=reduction,
+                                remove_accidental_hits=remove)
+    ref = reference_loss(hidden, weight, labels, ids, log_q, bias=bias, reduction=reduction,
+                         remove_accidental_hits=remove)
+    _compare(loss, ref, (hidden, weight, bias))
+    # The sampler was queried with the non-ignored hidden states, detached.
+    assert torch.equal(sampler.calls[0], hidden.detach()[valid]) and not sampler.calls[0].requires_grad
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_shared_matches_reference(reduction, with_bias):
+    hidden, weight, bias, labels = _inputs(bias=with_bias)
+    labels[4] = -100
+    pool, log_qbar = _draws(1, 40)
+    pool, log_qbar = pool[0], log_qbar[0]
+    pool[:3] = labels[:3]  # accidental hits in the pool
+    sampler = FixedDraws(V, D, None, None, pool, log_qbar)
+    loss = sampled_softmax_loss(hidden, weight, labels, sampler, 40, bias=bias, negatives="shared",
+                                reduction=reduction)
+    ref = reference_loss(hidden, weight, labels, pool, log_qbar, bias=bias, shared=True, reduction=reduction)
+    _compare(loss, ref, (hidden, weight, bias))
+
+
+@pytest.mark.parametrize("negatives", ["per-query", "shared"])
+def test_logit_softcap_matches_reference(negatives):
+    hidden, weight, bias, labels = _inputs()
+    hidden.data *= 4.0  # logits of tens of nats, where the cap bites
+    ids, log_q = _draws(10, 12, labels=labels)
+    sampler = FixedDraws(V, D, ids, log_q, ids[0], log_q[0])
+    shared = negatives == "shared"
+    loss = sampled_softmax_loss(hidden, weight, labels, sampler, 12, bias=bias, negatives=negatives,
+                                logit_softcap=5.0)
+    ref = reference_loss(hidden, weight, labels, ids[0] if shared else ids, log_q[0] if shared else log_q,
+                         bias=bias, shared=shared, logit_softcap=5.0)
+    _compare(loss, ref, (hidden, weight, bias))
+    uncapped = sampled_softmax_loss(hidden, weight, labels, sampler, 12, bias=bias, negatives=negatives)
+    assert not torch.allclose(loss, uncapped)
+
+
+def test_accidental_hits_are_removed():
+    """A token whose every draw is its own label has only the positive left: loss exactly 0."""
+    hidden, weight, _, labels = _inputs(4, bias=False)
+    ids = labels.unsqueeze(1).repeat(1, 5)
+    log_q = torch.full((4, 5), -1.0)
+    sampler = FixedDraws(V, D, ids, log_q)
+    loss = sampled_softmax_loss(hidden, weight, labels, sampler, 5, reduction="none")
+    torch.testing.assert_close(loss, torch.zeros(4), atol=0, rtol=0)
+    kept = sampled_softmax_loss(hidden, weight, labels, sampler, 5, reduction="none", remove_accidental_hits=False)
+    # Kept, the 5 copies add 5 exp(o_y - log(5 q)) = exp(o_y + 1) to exp(o_y): loss = log(1 + e).
+    torch.testing.assert_close(kept, torch.full((4,), math.log1p(math.e)), atol=1e-6, rtol=1e-6)
+
+
+def test_mean_is_sum_over_valid_tokens():
+    hidden, weight, bias, labels = _inputs()
+    labels[[0, 7]] = -1
+    sampler = build_sampler("midx-rq", weight.detach(), codebook_size=8)
+
+    def run(reduction):
+        return sampled_softmax_loss(hidden, weight, labels, sampler, 8, bias=bias, ignore_index=-1,
+                                    reduction=reduction, generator=torch.Generator().manual_seed(3))
+
+    mean, total, none = run("mean"), run("sum"), run("none")
+    assert none.shape == (10,) and float(none[0].detach()) == 0.0 and float(none[7].detach()) == 0.0
+    torch.testing.assert_close(total, none.sum())
+    torch.testing.assert_close(mean, total / 8)
+
+
+def test_ignored_tokens_change_nothing():
+    """Loss and gradients with ignored positions equal those of the valid tokens alone (same draws)."""
+    hidden, weight, bias, labels = _inputs()
+    labels[[1, 2, 9]] = -100
+    valid = labels != -100
+    sampler = build_sampler("midx-rq", weight.detach(), codebook_size=8)
+    loss = sampled_softmax_loss(hidden, weight, labels, sampler, 8, bias=bias,
+                                generator=torch.Generator().manual_seed(4))
+    g_hidden, g_weight, g_bias = _grads(loss, (hidden, weight, bias))
+    h_valid = hidden.detach()[valid].clone().requires_grad_(True)
+    loss_valid = sampled_softmax_loss(h_valid, weight, labels[valid], sampler, 8, bias=bias,
+                                      generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(loss, loss_valid)
+    g_valid, gw_valid, gb_valid = _grads(loss_valid, (h_valid, weight, bias))
+    assert bool((g_hidden[~valid] == 0).all())
+    torch.testing.assert_close(g_hidden[valid], g_valid)
+    torch.testing.assert_close(g_weight, gw_valid)
+    torch.testing.assert_close(g_bias, gb_valid)
+
+
+@pytest.mark.parametrize("negatives", ["per-query", "shared"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored_batch_gives_zero_loss_and_zero_gradient(negatives, reduction):
+    hidden, weight, bias, labels = _inputs()
+    labels[:] = -100
+    sampler = build_sampler("uniform", weight.detach())
+    loss = sampled_softmax_loss(hidden, weight, labels, sampler, 8, bias=bias, negatives=negatives,
+                                reduction=reduction)
+    assert loss.dtype == torch.float32 and loss.shape == ((10,) if reduction == "none" else ())
+    assert bool((loss == 0).all())
+    for g in _grads(loss, (hidden, weight, bias)):
+        assert bool(torch.isfinite(g).all()) and bool((g == 0).all())
+
+
+def test_same_generator_gives_same_loss():
+    hidden, weight, bias, labels = _inputs()
+    sampler = build_sampler("midx-pq", weight.detach(), codebook_size=8)
+    a = sampled_softmax_loss(hidden, weight, labels, sampler, 8, generator=torch.Generator().manual_seed(9))
+    b = sampled_softmax_loss(hidden, weight, labels, sampler, 8, generator=torch.Generator().manual_seed(9))
+    c = sampled_softmax_loss(hidden, weight, labels, sampler, 8)  # the sampler's own generator
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("negatives", ["per-query", "shared"])
+def test_bf16_inputs_give_a_finite_float32_loss(negatives):
+    hidden, weight, bias, labels = _inputs(32)
+    sampler = build_sampler("midx-rq", weight.detach(), codebook_size=8)
+
+    def run(h, w, b):
+        return sampled_softmax_loss(h, w, labels, sampler, 16, bias=b, negatives=negatives,
+                                    generator=torch.Generator().manual_seed(5))
+
+    h16, w16, b16 = (x.detach().bfloat16().requires_grad_(True) for x in (hidden, weight, bias))
+    loss16 = run(h16, w16, b16)
+    assert loss16.dtype == torch.float32 and bool(torch.isfinite(loss16))
+    grads16 = _grads(loss16, (h16, w16, b16))
+    assert all(g.dtype == torch.bfloat16 and bool(torch.isfinite(g).all()) for g in grads16)
+    # Against float32 on the bf16-rounded inputs: the only extra error is bf16 arithmetic in the
+    # D = 12 dot products (unit roundoff 2^-8 = 0.4% per product, ~1% for the loss).
+    loss32 = run(*(x.detach().float().requires_grad_(True) for x in (h16, w16, b16)))
+    torch.testing.assert_close(loss16, loss32, atol=0.02, rtol=0.02)
+
+
+# ------------------------------------------------------------------------------------------ full softmax
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_full_softmax_loss_equals_cross_entropy(reduction, with_bias, softcap):
+    """Both paths (torch's linear_cross_entropy without softcap, the chunked fallback with it)."""
+    hidden, weight, bias, labels = _inputs(23, bias=with_bias)
+    labels[[3, 11]] = -7
+    kwargs = {"chunk_size": 5} if softcap is not None else {}  # several chunks in the fallback
+    loss = full_softmax_loss(hidden, weight, labels, bias=bias, ignore_index=-7, reduction=reduction,
+                             logit_softcap=softcap, **kwargs)
+    logits = F.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    ref = F.cross_entropy(logits, labels, ignore_index=-7, reduction=reduction)
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    torch.testing.assert_close(loss.double(), ref, atol=1e-5, rtol=1e-5)
+    for got, want in zip(_grads(loss, (hidden, weight, bias)), _grads(ref, (hidden, weight, bias)), strict=True):
+        torch.testing.assert_close(got.double(), want.double(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_full_softmax_loss_all_ignored_is_zero(softcap):
+    hidden, weight, bias, labels = _inputs()
+    labels[:] = -100
+    loss = full_softmax_loss(hidden, weight, labels, bias=bias, logit_softcap=softcap)
+    assert float(loss.detach()) == 0.0
+    for g in _grads(loss, (hidden, weight, bias)):
+        assert bool((g == 0).all())
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_full_softmax_loss_bf16_is_float32(softcap):
+    """bf16 inputs: a float32 loss as close to the float64 reference as bf16 logits allow.
+
+    T = 2048 tokens: a bf16 running sum of ~1750 x 6.8 nats has a spacing of 64 near its end, so a
+    loss reduced in bf16 is off by ~0.3% here (11% for 4096 tokens of 12 nats). Per-token errors
+    (bf16 logits: relative 2^-9, about 0.01 nats, random sign) average out in a float32 reduction to
+    ~0.01 / sqrt(1750) = 2.5e-4 nats = 4e-5 relative, so rtol = 1e-3 is 25 times that.
+    """
+    hidden, weight, bias, labels = _inputs(2048, dtype=torch.bfloat16)
+    labels[::7] = -100
+    logits = F.linear(hidden.double(), weight.double(), bias.double())
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    for reduction in ("mean", "sum", "none"):
+        loss = full_softmax_loss(hidden, weight, labels, bias=bias, reduction=reduction, logit_softcap=softcap)
+        ref = F.cross_entropy(logits, labels, reduction=reduction)
+        assert loss.dtype == torch.float32 and bool(torch.isfinite(loss).all())
+        if reduction == "none":
+            torch.testing.assert_close(loss.double(), ref, atol=0.05, rtol=0.02)
+        else:
+            torch.testing.assert_close(loss.double(), ref, atol=0, rtol=1e-3)
+    grads = _grads(loss, (hidden, weight, bias))
+    assert all(g.dtype == torch.bfloat16 and bool(torch.isfinite(g).all()) for g in grads)
+
+
+# ------------------------------------------------------------------------------------------ validation
+def test_invalid_arguments_are_refused():
+    hidden, weight, bias, labels = _inputs()
+    sampler = build_sampler("uniform", weight.detach())
+    call = sampled_softmax_loss
+    with pytest.raises(ValueError, match=r"labels contains 200, outside \[0, 200\) \(or -100 to ignore"):
+        call(hidden, weight, torch.full((10,), V), sampler, 4)
+    with pytest.raises(ValueError, match=r"labels contains -5, outside \[0, 200\)"):
+        call(hidden, weight, torch.full((10,), -5), sampler, 4)
+    with pytest.raises(ValueError, match="weight has 7 dims but 12 were expected"):
+        call(hidden, torch.randn(V, 7), labels, sampler, 4)
+    with pytest.raises(ValueError, match=r"labels must have shape \(T,\) = \(10,\)"):
+        call(hidden, weight, labels[:6], sampler, 4)
+    with pytest.raises(ValueError, match=r"labels must have shape \(T,\) = \(10,\)"):
+        call(hidden, weight, labels.view(2, 5), sampler, 4)
+    with pytest.raises(ValueError, match="labels must be an integer tensor"):
+        call(hidden, weight, labels.float(), sampler, 4)
+    with pytest.raises(ValueError, match=r"bias must have shape \(200,\)"):
+        call(hidden, weight, labels, sampler, 4, bias=torch.zeros(V + 1))
+    for m in (0, -3):
+        with pytest.raises(ValueError, match="num_samples must be an integer >= 1"):
+            call(hidden, weight, labels, sampler, m)
+    with pytest.raises(ValueError, match="negatives must be one of"):
+        call(hidden, weight, labels, sampler, 4, negatives="batch")
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        call(hidden, weight, labels, sampler, 4, reduction="avg")
+    with pytest.raises(ValueError, match="The sampler indexes 100 classes but weight has 200 rows"):
+        call(hidden, weight, labels, build_sampler("uniform", torch.randn(100, D)), 4)
+    with pytest.raises(ValueError, match="hidden must be 2-D"):
+        call(hidden.unsqueeze(0), weight, labels, sampler, 4)
+    with pytest.raises(ValueError, match=r"labels contains 200, outside \[0, 200\)"):
+        full_softmax_loss(hidden, weight, torch.full((10,), V))
+    with pytest.raises(ValueError, match="weight has 7 dims but 12 were expected"):
+        full_softmax_loss(hidden, torch.randn(V, 7), labels)
+
+
+# ------------------------------------------------------------------------------------------ gradient bias
+def test_gradient_bias_shrinks_with_m_and_is_smaller_for_midx(make_clustered):
+    """E[grad_h sampled loss] -> grad_h full loss as M grows, and faster for midx-rq than uniform.
+
+    For each of S = 8 queries z_s (label: its top class) the sampled loss is evaluated on R = 4000
+    copies of z_s at once (reduction "sum", so copy r's gradient is one independent draw g_r). With
+    g the full-softmax gradient, the bias estimate is b_s = ||mean_r g_r - g||, its Monte Carlo
+    standard error se_s = sqrt(tr Cov(g_r) / R), and the reported bias is B = mean_s b_s.
+
+    Threshold: |b_s - true bias_s| <= ||eps_s||, eps_s the mean of R centred draws. By the CLT
+    eps_s ~ N(0, Cov / R), with E||eps_s|| <= se_s, and the norm is 1-Lipschitz, so Gaussian
+    concentration over the S independent queries gives
+    P(mean_s ||eps_s|| >= mean_s se_s + z sqrt(sum_s se_s^2) / S) <= exp(-z^2 / 2); z = 4.3 -> 1e-4.
+    ``B - margin > B' + margin'`` therefore means the true mean bias is larger, at alpha ~ 2e-4.
+    """
+    weight, queries = make_clustered(1000, 16, num_queries=8, seed=0)
+    labels = (queries @ weight.t()).argmax(1)
+    full_grad = torch.func.grad(lambda h: F.cross_entropy(h @ weight.t(), labels, reduction="sum"))(queries)
+    reps, z = 4000, 4.3
+    samplers = {name: build_sampler(name, weight, codebook_size=16) for name in ("uniform", "midx-rq")}
+    stats = {}
+    for name, sampler in samplers.items():
+        for m in (2, 16, 128):
+            h = queries.repeat_interleave(reps, 0).requires_grad_(True)
+            loss = sampled_softmax_loss(h, weight, labels.repeat_interleave(reps), sampler, m, reduction="sum",
+                                        generator=torch.Generator().manual_seed(m))
+            (g,) = torch.autograd.grad(loss, h)
+            g = g.view(queries.shape[0], reps, -1).double()
+            b = (g.mean(1) - full_grad.double()).norm(dim=1)
+            se = (g.var(1).sum(1) / reps).sqrt()
+            margin = float(se.mean() + z * se.square().sum().sqrt() / se.numel())
+            stats[name, m] = (float(b.mean()), margin)
+    print("[grad-bias] ||E[grad] - full grad|| (mean over 8 queries; +- margin at alpha 1e-4), V=1000 D=16 K=16:")
+    grad_norm = float(full_grad.norm(dim=1).mean())
+    for (name, m), (b, margin) in stats.items():
+        print(f"[grad-bias]   {name:8s} M={m:4d}: bias={b:.5f}  margin={margin:.5f}  ({b / grad_norm:.2%} of ||grad||)")
+
+    def clearly_larger(a, b):
+        return stats[a][0] - stats[a][1] > stats[b][0] + stats[b][1]
+
+    for name in samplers:
+        assert clearly_larger((name, 2), (name, 128)), (name, stats)
+    for m in (2, 16, 128):
+        assert clearly_larger(("uniform", m), ("midx-rq", m)), (m, stats)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_int32_labels_are_accepted(softcap):
+    hidden, weight, bias, labels = _inputs()
+    want = full_softmax_loss(hidden, weight, labels, bias=bias, logit_softcap=softcap)
+    got = full_softmax_loss(hidden, weight, labels.int(), bias=bias, logit_softcap=softcap)
+    torch.testing.assert_close(got, want)
+    sampler = build_sampler("midx-rq", weight.detach(), codebook_size=8)
+    a = sampled_softmax_loss(hidden, weight, labels.int(), sampler, 8, generator=torch.Generator().manual_seed(0))
+    b = sampled_softmax_loss(hidden, weight, labels, sampler, 8, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(a, b)
+
+
+def test_frozen_weight_gets_no_gradient_and_hidden_does():
+    hidden, weight, _, labels = _inputs(bias=False)
+    frozen = weight.detach()
+    sampler = build_sampler("midx-rq", frozen, codebook_size=8)
+    for negatives in ("per-query", "shared"):
+        loss = sampled_softmax_loss(hidden, frozen, labels, sampler, 8, negatives=negatives)
+        (g,) = torch.autograd.grad(loss, hidden)
+        assert bool(torch.isfinite(g).all()) and float(g.abs().sum()) > 0
