@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._io import atomic_write
 from .loss import NEGATIVE_MODES
 from .quantizers import KMEANS_BACKENDS
 from .samplers import SAMPLER_OPTIONS, SAMPLERS
@@ -230,20 +230,13 @@ class MidxConfig:
             raise ValueError(f"save_pretrained needs a directory, but {save_directory!r} is a file.")
         os.makedirs(save_directory, exist_ok=True)
         data = {**self.to_dict(), "hf_midx_version": __version__}
-        path = os.path.join(save_directory, CONFIG_NAME)
-        fd, tmp = tempfile.mkstemp(prefix=f".{CONFIG_NAME}.", suffix=".tmp", dir=save_directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
+
+        def write(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(data, f, indent=2, sort_keys=True)
                 f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        return path
+
+        return atomic_write(os.path.join(save_directory, CONFIG_NAME), write)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **hub_kwargs) -> "MidxConfig":

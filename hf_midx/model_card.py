@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ._io import atomic_write
 from .config import MidxConfig
 from .version import __version__
 
@@ -211,16 +211,4 @@ def render_model_card(
 
 def save_model_card(card, directory: str | os.PathLike, filename: str = "README.md") -> str:
     """Write ``card`` to ``directory/filename`` atomically (temporary file, then rename); returns the path."""
-    directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, filename)
-    fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        card.save(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
+    return atomic_write(os.path.join(os.fspath(directory), filename), card.save)

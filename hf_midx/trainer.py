@@ -56,7 +56,6 @@ import contextlib
 import json
 import math
 import os
-import tempfile
 import time
 import warnings
 from typing import Any
@@ -69,6 +68,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from . import model_card as _model_card
+from ._io import atomic_write
 from .codebooks import LearnableCodebooks
 from .config import MidxConfig
 from .head import MidxLMHead
@@ -91,17 +91,7 @@ class MidxNonFiniteError(FloatingPointError):
 
 
 def _atomic_save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def _load_file(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -1,0 +1,28 @@
+"""Atomic file writes: a reader (or a crash) never sees a half-written file."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
+    """Call ``write(tmp_path)`` on a temporary file beside ``path``, then rename it onto ``path``.
+
+    The temporary file is removed if ``write`` raises; the rename is atomic on POSIX and Windows.
+    Creates the parent directory. Returns ``path`` as a string.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
