@@ -20,6 +20,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
     os.close(fd)
     try:
         write(tmp)
+        # mkstemp makes the file 0600; give it the permissions a plain open() would (0666 less umask).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

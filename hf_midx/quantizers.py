@@ -26,12 +26,15 @@ KMEANS_BACKENDS = ("torch", "faiss")
 _ASSIGN_CHUNK = 65536
 
 
-def assign(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def assign(
+    x: torch.Tensor, centroids: torch.Tensor, x_sq: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Nearest centroid of each row.
 
     Args:
         x: (N, D) float tensor.
         centroids: (K, D) float tensor, same device.
+        x_sq: optional (N,) ``||x||^2``, so that k-means computes it once, not every iteration.
     Returns:
         codes: (N,) int64, the argmin of ``||x - c_k||^2``.
         sq_dist: (N,) float32, that squared distance.
@@ -39,6 +42,8 @@ def assign(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torc
     x = x.float()
     c = centroids.float()
     c_sq = (c * c).sum(1)
+    if x_sq is None:
+        x_sq = (x * x).sum(1)
     codes = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     dist = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     for start in range(0, x.shape[0], _ASSIGN_CHUNK):
@@ -47,7 +52,7 @@ def assign(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torc
         d = torch.addmm(c_sq.unsqueeze(0), xs, c.t(), alpha=-2.0)
         best, idx = d.min(dim=1)
         codes[start : start + xs.shape[0]] = idx
-        dist[start : start + xs.shape[0]] = (best + (xs * xs).sum(1)).clamp_min_(0.0)
+        dist[start : start + xs.shape[0]] = (best + x_sq[start : start + xs.shape[0]]).clamp_min_(0.0)
     return codes, dist
 
 
@@ -84,7 +89,8 @@ def kmeans_torch(
     else:
         perm = torch.randperm(n, generator=generator)[:num_clusters].to(x.device)
         centroids = x[perm].clone()
-    codes, dist = assign(x, centroids)
+    x_sq = (x * x).sum(1)
+    codes, dist = assign(x, centroids, x_sq)
     for _ in range(iters):
         sums = torch.zeros_like(centroids).index_add_(0, codes, x)
         counts = torch.bincount(codes, minlength=num_clusters)
@@ -94,7 +100,7 @@ def kmeans_torch(
         if empty.numel():
             far = _farthest_rows(dist, empty.numel())
             centroids[empty[: far.numel()]] = x[far]
-        new_codes, dist = assign(x, centroids)
+        new_codes, dist = assign(x, centroids, x_sq)
         if torch.equal(new_codes, codes) and not empty.numel():
             break
         codes = new_codes

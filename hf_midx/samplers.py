@@ -41,6 +41,19 @@ def _as_generator(generator: torch.Generator | None, default: torch.Generator) -
     return default if generator is None else generator
 
 
+def _inverse_cdf(weights: torch.Tensor, num: int, gen: torch.Generator) -> torch.Tensor:
+    """``num`` i.i.d. draws per row from unnormalized non-negative ``weights`` (..., K) (float32/64).
+
+    Returns (..., num) int64. Inverse-CDF sampling by ``searchsorted``; a zero-weight category is never
+    returned, because the target stays strictly below the total.
+    """
+    cum = weights.cumsum(-1)
+    total = cum[..., -1:]
+    u = torch.rand(*weights.shape[:-1], num, dtype=cum.dtype, device=cum.device, generator=gen)
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cum, target, right=True)
+
+
 class Sampler:
     """Base class: validation, the shared-pool mixture, RNG and state handling.
 
@@ -374,27 +387,56 @@ class MidxSampler(Sampler):
 
     # -- the proposal
     def codeword_scores(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """s1 = z1 . c1 (T, K), s2 = z2 . c2 (T, K) and log Z (T,), all float32."""
+        """s1 = z1 . c1 (T, K), s2 = z2 . c2 (T, K) float32 and log Z (T,) float32."""
+        s1, s2, log_z, *_ = self._proposal(q)
+        return s1, s2, log_z
+
+    def _proposal(self, q: torch.Tensor):
+        """The per-query quantities of Eq. midx_uni, without any T x K x K tensor.
+
+        With psi(k1) = sum_k2 |Omega(k1,k2)| exp(s2[k2]) (one (T,K) x (K,K) matmul),
+        Z = sum_k1 exp(s1[k1]) psi(k1) and P1(k1) = exp(s1[k1]) psi(k1) / Z.
+        Returns s1, s2 (T, K) float32; log Z (T,) float32; and, float64 (T, K), e2 = exp(s2 - m2),
+        P1 and psi / exp(m2), so that P(k1, k2) = P1(k1) |Omega(k1,k2)| e2[k2] / psi[k1]. m2 is the
+        row's largest s2 over codewords that hold classes: psi >= 1 for some k1 in every row, and
+        float64 loses only buckets more than ~700 nats below the best.
+        """
         d1, d2 = self.index.dim_slices(q.shape[1])
         c1, c2 = self.index.codebooks
         s1 = q[:, d1] @ c1.t()
         s2 = q[:, d2] @ c2.t()
-        log_counts = self.index.bucket_counts.float().log().view(1, -1)  # -inf for empty buckets
-        k = c1.shape[0]
-        log_z = torch.empty(q.shape[0], device=q.device)
-        for rows in _chunks(q.shape[0], k * k):
-            joint = (s1[rows].unsqueeze(2) + s2[rows].unsqueeze(1)).view(-1, k * k) + log_counts
-            log_z[rows] = torch.logsumexp(joint, dim=1)
-        return s1, s2, log_z
+        counts = self.index.bucket_counts.double()
+        used = counts.sum(0) > 0
+        m2 = s2.masked_fill(~used, -math.inf).amax(1, keepdim=True)
+        e2 = (s2 - m2).double().exp()
+        psi = e2 @ counts.t()
+        logits1 = s1.double() + psi.log() + m2.double()  # -inf for codewords k1 with no class
+        log_z = torch.logsumexp(logits1, dim=1, keepdim=True)
+        return s1, s2, log_z.squeeze(1).float(), e2, (logits1 - log_z).exp(), psi
 
-    def _draw_buckets(self, s1, s2, m: int, gen) -> torch.Tensor:
-        """(T, M) bucket ids b = k1*K + k2 drawn from P1(k1) P2(k2|k1)."""
-        k = s1.shape[1]
-        log_counts = self.index.bucket_counts.float().log().view(1, -1)
-        out = torch.empty(s1.shape[0], m, dtype=torch.long, device=s1.device)
-        for rows in _chunks(s1.shape[0], k * k):
-            joint = (s1[rows].unsqueeze(2) + s2[rows].unsqueeze(1)).view(-1, k * k) + log_counts
-            out[rows] = torch.multinomial(torch.softmax(joint, dim=1), m, replacement=True, generator=gen)
+    def _draw_buckets(self, e2: torch.Tensor, p1: torch.Tensor, psi: torch.Tensor, m: int, gen) -> torch.Tensor:
+        """(T, M) bucket ids b = k1*K + k2 drawn with probability P1(k1) P2(k2 | k1).
+
+        Inverse-CDF draws, whichever is cheaper for M: k1 from P1 and then k2 from
+        P2(. | k1) proportional to |Omega(k1,k2)| e2[k2], O(M K) per query (the paper's two stages);
+        or, for M > K/2, one search per draw over the K*K buckets laid out in (k1, k2) order, which is
+        the same two-stage draw at O(K^2) per query whatever M is. Empty buckets have weight 0 and are
+        never drawn.
+        """
+        k = e2.shape[1]
+        counts = self.index.bucket_counts
+        out = torch.empty(e2.shape[0], m, dtype=torch.long, device=e2.device)
+        if 2 * m <= k:
+            k1 = _inverse_cdf(p1, m, gen)
+            for rows in _chunks(e2.shape[0], m * k):
+                w2 = counts[k1[rows]].to(e2.dtype) * e2[rows].unsqueeze(1)  # (c, M, K)
+                out[rows] = k1[rows] * k + _inverse_cdf(w2, 1, gen).squeeze(-1)
+            return out
+        r = torch.where(psi > 0, p1 / psi, torch.zeros_like(psi)).float()
+        for rows in _chunks(e2.shape[0], k * k):
+            # (c, K, K) bucket probabilities, float32 (a bucket below e^-87 of the total is never drawn).
+            joint = r[rows].unsqueeze(2) * counts.float().unsqueeze(0) * e2[rows].float().unsqueeze(1)
+            out[rows] = _inverse_cdf(joint.view(-1, k * k), m, gen)
         return out
 
     def _uniform_in_bucket(self, buckets: torch.Tensor, gen) -> torch.Tensor:
@@ -409,8 +451,8 @@ class MidxSampler(Sampler):
         return s1.gather(1, codes[..., 0]) + s2.gather(1, codes[..., 1]) - log_z.unsqueeze(1)
 
     def _sample(self, q, m, gen):
-        s1, s2, log_z = self.codeword_scores(q)
-        ids = self._uniform_in_bucket(self._draw_buckets(s1, s2, m, gen), gen)
+        s1, s2, log_z, e2, p1, psi = self._proposal(q)
+        ids = self._uniform_in_bucket(self._draw_buckets(e2, p1, psi, m, gen), gen)
         return ids, self._gather_log_q(s1, s2, log_z, ids)
 
     def _log_prob(self, q, ids):
@@ -418,9 +460,9 @@ class MidxSampler(Sampler):
         return self._gather_log_q(s1, s2, log_z, ids)
 
     def _sample_shared(self, q, p, gen):
-        s1, s2, log_z = self.codeword_scores(q)
+        s1, s2, log_z, e2, p1, psi = self._proposal(q)
         rows = torch.randint(q.shape[0], (p,), device=self.device, generator=gen)
-        ids = self._uniform_in_bucket(self._draw_buckets(s1[rows], s2[rows], 1, gen)[:, 0], gen)
+        ids = self._uniform_in_bucket(self._draw_buckets(e2[rows], p1[rows], psi[rows], 1, gen)[:, 0], gen)
         return ids, self._mixture_log_q(s1, s2, log_z, ids)
 
     def _log_prob_shared(self, q, ids):

@@ -124,7 +124,31 @@ class _MidxCallback(TrainerCallback):
         self.trainer._midx_on_step_end(control)
 
 
-class MidxTrainer(Trainer):
+class PerplexityMixin:
+    """Adds ``<prefix>_perplexity`` = exp(``<prefix>_loss``) to a ``Trainer``'s evaluation metrics.
+
+    MidxTrainer has it; put it before ``Trainer`` in a plain Trainer subclass (a full-softmax baseline)
+    to report the same metric.
+    """
+
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
+        """``Trainer.evaluation_loop`` plus ``<prefix>_perplexity`` = exp(``<prefix>_loss``)."""
+        output = super().evaluation_loop(
+            dataloader,
+            description,
+            prediction_loss_only=prediction_loss_only,
+            ignore_keys=ignore_keys,
+            metric_key_prefix=metric_key_prefix,
+        )
+        loss = output.metrics.get(f"{metric_key_prefix}_loss")
+        if loss is not None:
+            output.metrics[f"{metric_key_prefix}_perplexity"] = _perplexity(float(loss))
+        return output
+
+
+class MidxTrainer(PerplexityMixin, Trainer):
     """``transformers.Trainer`` for models whose LM head was wrapped by :meth:`MidxLMHead.wrap`.
 
     Takes every argument ``Trainer`` takes. The MIDX options come from the head's
@@ -159,6 +183,10 @@ class MidxTrainer(Trainer):
                 "and returns no full logits during training."
             )
         self._midx_attach(self.model)
+        # The MIDX head always applies ForCausalLMLoss semantics (labels shifted by one), whatever the
+        # model's loss_type says (GPT-2 has none in transformers 5.x): the Trainer must then count
+        # num_items_in_batch over labels[..., 1:], or every loss comes out scaled by S/(S+1).
+        self._loss_shifts_labels = True
         self.add_callback(_MidxCallback(self))
 
     # ------------------------------------------------------------------ public
@@ -264,22 +292,6 @@ class MidxTrainer(Trainer):
             with head.exact_loss_only():
                 return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-
-    def evaluation_loop(
-        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
-    ):
-        """``Trainer.evaluation_loop`` plus ``<prefix>_perplexity`` = exp(``<prefix>_loss``)."""
-        output = super().evaluation_loop(
-            dataloader,
-            description,
-            prediction_loss_only=prediction_loss_only,
-            ignore_keys=ignore_keys,
-            metric_key_prefix=metric_key_prefix,
-        )
-        loss = output.metrics.get(f"{metric_key_prefix}_loss")
-        if loss is not None:
-            output.metrics[f"{metric_key_prefix}_perplexity"] = _perplexity(float(loss))
-        return output
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """``Trainer.log``; the MIDX values gathered since the last training log join the entry with ``loss``."""

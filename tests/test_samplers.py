@@ -79,6 +79,19 @@ def test_sample_matches_log_prob(name, samplers, problem, fits):
         fits(torch.bincount(ids[t], minlength=V), probs[t], f"{name} sample() query {t}")
 
 
+@pytest.mark.parametrize("name", ["midx-rq", "midx-pq"])
+def test_few_draws_per_query_match_log_prob(name, samplers, problem, fits):
+    """With M <= K/2 MIDX draws k1 and then k2 | k1 (its other code path): 100k draws of one query,
+    as 25k rows of M = 4, fit exp(log_prob) like the M = 100k draws above."""
+    _, queries = problem
+    s = samplers[name]
+    q = queries[:1].expand(25_000, -1)
+    ids, log_q = s.sample(q, 4, generator=torch.Generator().manual_seed(13))
+    torch.testing.assert_close(log_q, s.log_prob(q, ids), atol=1e-4, rtol=1e-5)
+    probs = s.full_log_prob(queries[:1]).double().exp()[0]
+    fits(torch.bincount(ids.flatten(), minlength=V), probs, f"{name} sample() M=4")
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_sample_shared_matches_batch_mixture(name, samplers, problem, fits):
     """The shared pool fits qbar = mean_t Q(. | z_t); log_qbar equals log_prob_shared and the mixture."""
@@ -157,9 +170,10 @@ def test_midx_never_draws_an_empty_bucket(name, make_clustered):
     s = build_sampler(name, emb, codebook_size=16)
     counts = s.index.bucket_counts.flatten()
     assert int((counts == 0).sum()) > 100  # the case is really exercised
-    s1, s2, _ = s.codeword_scores(queries.float())
-    buckets = s._draw_buckets(s1, s2, 5000, torch.Generator().manual_seed(0))
-    assert bool((counts[buckets] > 0).all())
+    _, _, _, e2, p1, psi = s._proposal(queries.float())
+    for m in (5000, 4):  # the one-search path (M > K/2) and the two-stage path
+        buckets = s._draw_buckets(e2, p1, psi, m, torch.Generator().manual_seed(0))
+        assert bool((counts[buckets] > 0).all())
     ids, log_q = s.sample(queries, 5000)
     assert bool(torch.isfinite(log_q).all())
     # Each drawn class sits in a non-empty bucket (its own), and the pool path behaves the same.

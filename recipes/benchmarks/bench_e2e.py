@@ -1,0 +1,345 @@
+"""End-to-end training throughput (tokens/s) of the recipe's model: full softmax vs MIDX.
+
+One optimizer step = ``model(input_ids, labels=input_ids)``, ``loss.backward()``, ``AdamW.step()``,
+on the model ``recipes/lm_recipe.build_model`` makes (GPT-2 architecture), for these heads:
+
+* ``hf-full``: the unwrapped model: full logits + transformers' ``ForCausalLMLoss`` (the baseline);
+* ``exact-chunked``: the head wrapped by ``hf_midx.MidxLMHead`` inside ``exact_loss_only()``: the exact
+  loss through torch's chunked ``linear_cross_entropy``;
+* ``midx-rq``: ``MidxLMHead`` with midx-rq, M negatives per token (per-query, the paper);
+* ``midx-rq-shared``: the same with one shared pool of P negatives per batch;
+* ``uniform``: ``MidxLMHead`` with the uniform proposal (the cheapest sampler: a floor).
+
+Settings (``--settings``):
+
+* ``recipe``: the paper's WikiText-2 model (2 layers, 4 heads, d 200, ff 1024), V = 33,278, blocks of
+  51 tokens, batch 32; M = 20, K = 32 (the recipe's defaults);
+* ``head-dominated`` (CPU default): 2 layers, d 256, ff 1024, V = 131,072, blocks of 128, batch 16,
+  K = 64: a CPU-sized stand-in where the output layer dominates as it does in a large-vocabulary LM;
+* ``gpt2-small-128k`` (GPU default): 12 layers, 12 heads, d 768, V = 131,072, blocks of 1024, batch 8,
+  bf16 autocast, K = 64.
+
+Tokens are i.i.d. Zipf(1) ids (throughput does not depend on the text). Tokens/s counts input tokens
+(batch x block length), as the recipe's ``tokens_per_second`` does. The sampler's build (k-means)
+happens once before timing and is reported on its own, with one ``refresh`` (warm-started k-means),
+which the trainer runs once per epoch by default.
+
+Run: ``python recipes/benchmarks/bench_e2e.py --out bench-out [--quick] [--device cpu|cuda]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+NAME = "bench_e2e"
+SETTINGS = {
+    "recipe": {
+        "overrides": None,
+        "vocab": 33278,
+        "block": 51,
+        "batch": 32,
+        "num_samples": 20,
+        "codebook_size": 32,
+        "what": "the paper's WikiText-2 transformer (2 layers, 4 heads, d 200, ff 1024)",
+    },
+    "head-dominated": {
+        "overrides": "n_embd=256,n_layer=2,n_head=4,n_inner=1024",
+        "vocab": 131072,
+        "block": 128,
+        "batch": 16,
+        "num_samples": 20,
+        "codebook_size": 64,
+        "what": "CPU-sized, head-dominated: 2 layers, d 256, ff 1024, V=131072",
+    },
+    "gpt2-small-128k": {
+        "overrides": "n_embd=768,n_layer=12,n_head=12,n_inner=3072",
+        "vocab": 131072,
+        "block": 1024,
+        "batch": 8,
+        "num_samples": 20,
+        "codebook_size": 64,
+        "what": "GPT-2 small (12 layers, 12 heads, d 768) with V=131072, bf16 autocast",
+    },
+}
+CASES = ("hf-full", "exact-chunked", "midx-rq", "midx-rq-shared", "uniform")
+
+
+def parse_args(argv=None):
+    p = common.base_parser(__doc__.splitlines()[0])
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        default=None,
+        choices=list(SETTINGS),
+        help="default: recipe head-dominated (CPU); recipe gpt2-small-128k (GPU)",
+    )
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per case (default 5; quick 2)")
+    p.add_argument("--pool_size", type=int, default=1024, help="P of midx-rq-shared")
+    p.add_argument("--bf16", default="auto", choices=["auto", "on", "off"], help="bf16 autocast (auto: on a GPU)")
+    p.add_argument(
+        "--budget_s",
+        type=float,
+        default=None,
+        help="stop repeating a case after this many seconds (default 120; quick 5)",
+    )
+    return common.parse(p, argv)
+
+
+def make_model(setting: dict, vocab: int, block: int, seed: int):
+    """The recipe's model (lm_recipe.build_model), from scratch, for a vocabulary of ``vocab``."""
+    lm_recipe = common.import_recipe("lm_recipe")
+    from transformers import set_seed  # noqa: PLC0415
+
+    set_seed(seed)
+    data = types.SimpleNamespace(vocab_size=vocab, eos_token_id=1)
+    model_args = lm_recipe.ModelArguments(config_overrides=setting["overrides"])
+    return lm_recipe.build_model(model_args, data, block - 1)
+
+
+def run_setting(key: str, args, device, env, bf16: bool, warmup: int, steps: int) -> list[dict]:
+    from hf_midx import MidxConfig, MidxLMHead  # noqa: PLC0415
+
+    s = dict(SETTINGS[key])
+    if args.smoke:
+        s.update({"vocab": 2048, "batch": 2, "block": 17})
+    elif args.quick:
+        s.update({"vocab": s["vocab"] if s["vocab"] <= 65536 else 32768, "batch": max(2, s["batch"] // 4)})
+    v, block, batch = s["vocab"], s["block"], s["batch"]
+    gen = torch.Generator().manual_seed(args.seed)
+    zipf = 1.0 / torch.arange(1, v + 1, dtype=torch.float64)
+    counts = (zipf / zipf.sum() * 1e7).floor() + 1
+    batches = [
+        torch.multinomial(zipf, batch * block, replacement=True, generator=gen).view(batch, block).to(device)
+        for _ in range(4)
+    ]
+    print(f"\n-- {key}: {s['what']}; V={v}, batch {batch} x {block} tokens{', bf16' if bf16 else ''} --")
+    out = []
+    for case in args.cases:
+        model = make_model(s, v, block, args.seed).to(device)
+        model.train()
+        rec = {
+            "setting": key,
+            "case": case,
+            "V": v,
+            "batch": batch,
+            "block": block,
+            "d": model.config.n_embd,
+            "layers": model.config.n_layer,
+            "parameters": sum(p.numel() for p in model.parameters()),
+        }
+        exact = contextlib.nullcontext
+        if case != "hf-full":
+            sampler = "uniform" if case == "uniform" else "midx-rq"
+            config = MidxConfig(
+                sampler=sampler,
+                num_samples=args.pool_size if case == "midx-rq-shared" else s["num_samples"],
+                negatives="shared" if case == "midx-rq-shared" else "per-query",
+                codebook_size=s["codebook_size"],
+                seed=args.seed,
+                log_kl=False,
+            )
+            t0 = time.perf_counter()
+            MidxLMHead.wrap(model, config, class_counts=counts, verify=False)
+            common.sync(device)
+            rec["build_s"] = time.perf_counter() - t0
+            head = MidxLMHead.find(model)
+            if sampler.startswith("midx"):
+                t0 = time.perf_counter()
+                head.refresh()
+                common.sync(device)
+                rec["refresh_s"] = time.perf_counter() - t0
+            if case == "exact-chunked":
+                exact = head.exact_loss_only
+            rec.update(
+                {
+                    "sampler": sampler,
+                    "num_samples": config.num_samples,
+                    "negatives": config.negatives,
+                    "codebook_size": config.codebook_size,
+                }
+            )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        it = iter(range(1 << 30))
+
+        def step():
+            x = batches[next(it) % len(batches)]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), exact():
+                loss = model(input_ids=x, attention_mask=torch.ones_like(x), labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        try:
+            stats = common.time_op(step, device, warmup=warmup, repeats=steps, budget_s=args.budget_s)
+            common.free_memory(device)
+            mem = common.peak_memory(step, device)
+        except (RuntimeError, MemoryError) as err:
+            rec["skipped"] = f"error: {str(err).splitlines()[0][:160]}"
+            print(f"{case:16s} skipped: {rec['skipped']}")
+            out.append(rec)
+            model = opt = None
+            common.free_memory(device)
+            continue
+        rec.update(
+            {
+                "step_ms": stats["p50"],
+                "step_ms_p20": stats["p20"],
+                "step_ms_p80": stats["p80"],
+                "repeats": stats["n"],
+                "tokens_per_s": batch * block / (stats["p50"] / 1e3),
+                "peak_bytes": mem["peak_bytes"],
+                "memory_method": mem["method"],
+            }
+        )
+        print(
+            f"{case:16s} {common.fmt_ms(stats['p50']):>9s}/step  {rec['tokens_per_s']:>9.0f} tokens/s  "
+            f"peak {common.fmt_bytes(mem['peak_bytes'])}"
+            + (f"  (build {rec['build_s']:.1f} s, refresh {rec.get('refresh_s', 0):.1f} s)" if "build_s" in rec else "")
+        )
+        out.append(rec)
+        model = opt = None
+        common.free_memory(device)
+    base = next((r for r in out if r["case"] == "hf-full" and "tokens_per_s" in r), None)
+    for r in out:
+        if base and "tokens_per_s" in r:
+            r["speedup_vs_hf"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["memory_ratio_vs_hf"] = base["peak_bytes"] / max(r["peak_bytes"], 1)
+    return out
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = common.resolve_device(args.device)
+    bf16 = device.type == "cuda" if args.bf16 == "auto" else args.bf16 == "on"
+    if bf16 and device.type == "cpu":
+        print("note: bf16 autocast on CPU is slow on most CPUs; timings measure that.")
+    warmup, steps = common.repeats_of(args, full=5, quick=1 if args.smoke else 2)
+    if args.budget_s is None:
+        args.budget_s = 5.0 if args.quick else 120.0
+    if args.steps:
+        steps = args.steps
+    settings_keys = args.settings or (
+        ["recipe"]
+        if args.quick
+        else ["recipe", "gpt2-small-128k"]
+        if device.type == "cuda"
+        else ["recipe", "head-dominated"]
+    )
+    env = common.environment(device)
+    settings = {
+        "settings": {k: SETTINGS[k] for k in settings_keys},
+        "cases": args.cases,
+        "steps": steps,
+        "warmup": warmup,
+        "pool_size": args.pool_size,
+        "bf16": bf16,
+        "quick": args.quick,
+        "smoke": args.smoke,
+        "seed": args.seed,
+        "optimizer": "AdamW lr 1e-4",
+        "timed": "forward + backward + optimizer step",
+        "tokens": "input tokens per second (batch x block)",
+    }
+    if args.smoke:
+        settings["quick_note"] = "smoke: V=2048, batch 2 x 17 tokens (for the test suite only)"
+    elif args.quick:
+        settings["quick_note"] = "quick: V above 65536 capped at 32768, batch divided by 4"
+    common.print_header(NAME, env, settings)
+    results = []
+    for key in settings_keys:
+        results += run_setting(key, args, device, env, bf16, warmup, steps)
+    rows = [
+        common.row(
+            env,
+            op="train_step",
+            provider=r["case"],
+            metric="tokens_per_s",
+            unit="tokens/s",
+            x_name="setting",
+            x_value=r["setting"],
+            value=r["tokens_per_s"],
+            V=r["V"],
+        )
+        for r in results
+        if "tokens_per_s" in r
+    ]
+    payload = {"benchmark": NAME, "settings": settings, "environment": env, "rows": rows, "results": results}
+    md = render_markdown(env, settings, results)
+    common.write_outputs(args.out, NAME, payload, md)
+    if not args.no_plots:
+        plot(args.out, results)
+    print(md)
+    return payload
+
+
+def render_markdown(env, settings, results):
+    parts = [common.header_markdown("End-to-end training throughput", env, settings), ""]
+    for key in dict.fromkeys(r["setting"] for r in results):
+        s = settings["settings"][key]
+        rs = [r for r in results if r["setting"] == key]
+        parts.append(f"## {key}: {s['what']}\n")
+        parts.append(
+            f"V={rs[0]['V']}, batch {rs[0]['batch']} x {rs[0]['block']} tokens, "
+            f"{rs[0]['parameters'] / 1e6:.1f}M parameters.\n"
+        )
+        parts.append(
+            common.markdown_table(
+                [
+                    {
+                        "case": r["case"],
+                        "tps": f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else r.get("skipped"),
+                        "ms": common.fmt_ms(r.get("step_ms")),
+                        "peak": common.fmt_bytes(r.get("peak_bytes")),
+                        "speed": common.fmt_ratio(r.get("speedup_vs_hf"), 2),
+                        "mem": common.fmt_ratio(r.get("memory_ratio_vs_hf")),
+                        "build": f"{r['build_s']:.1f} s" if "build_s" in r else "-",
+                        "refresh": f"{r['refresh_s']:.1f} s" if "refresh_s" in r else "-",
+                    }
+                    for r in rs
+                ],
+                [
+                    ("case", "case"),
+                    ("tokens/s", "tps"),
+                    ("step (p50)", "ms"),
+                    ("peak memory", "peak"),
+                    ("speed-up vs hf-full", "speed"),
+                    ("memory vs hf-full", "mem"),
+                    ("sampler build", "build"),
+                    ("one refresh", "refresh"),
+                ],
+            )
+        )
+        parts.append("")
+    return "\n".join(parts)
+
+
+def plot(out_dir, results):
+    plt = common.pyplot()
+    keys = list(dict.fromkeys(r["setting"] for r in results))
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        rs = [r for r in results if r["setting"] == key and "tokens_per_s" in r]
+        ax.bar(
+            [r["case"] for r in rs],
+            [r["tokens_per_s"] for r in rs],
+            color=["black" if r["case"] == "hf-full" else "tab:blue" for r in rs],
+        )
+        ax.set_ylabel("training tokens / s")
+        ax.set_title(key)
+        ax.tick_params(axis="x", rotation=30)
+        ax.grid(True, axis="y", alpha=0.3)
+    common.save_figure(fig, out_dir, f"{NAME}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,508 @@
+"""Output layer + loss, forward and backward: the HF way vs exact chunked CE vs MIDX sampled softmax.
+
+For T tokens with D-dim hidden states and a V-class head, one training step of the head is timed
+(forward + backward; the sampler's own drawing included, the index build not) and weighed (peak
+bytes the step allocates). Cases, all on the same inputs:
+
+* ``hf``: what a transformers ``*ForCausalLM`` does: full (T, V) logits, upcast to float32,
+  ``F.cross_entropy``;
+* ``torch-chunked``: exact CE without the (T, V) logits, ``hf_midx.full_softmax_loss`` (torch's
+  ``F.linear_cross_entropy`` with the chunking hf_midx chooses);
+* ``torch-chunked-512`` (CPU only): torch's op called directly with 512-token chunks and
+  ``acc_policy="accurate"``, a yardstick for that choice (torch's own "auto" chunking picked 8-token
+  chunks for float32 on CPU in torch 2.13, 20x slower than ``hf``);
+* ``liger``: Liger-Kernel's fused linear CE (only on a GPU with ``liger_kernel`` installed);
+* ``<sampler>/per-query``: ``hf_midx.sampled_softmax_loss`` with M negatives per token (M=20, the
+  paper's setting), for midx-rq, midx-pq, uniform and unigram;
+* ``<sampler>/shared``: the same with one pool of P negatives shared by the batch (P=1024).
+
+Each case is reported as a speed-up and a memory ratio against the HF way measured in the same run,
+next to the FLOP ratio (M + 2K) / V (P + 2K for shared; M or P alone for static samplers), the
+ideal for a sampled head. The index build is timed separately.
+
+Run: ``python recipes/benchmarks/bench_head.py --out bench-out [--quick] [--device cpu|cuda]``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import hf_midx  # noqa: E402
+
+NAME = "bench_head"
+SAMPLED = ("midx-rq", "midx-pq", "uniform", "unigram")
+TARGETS = (  # (V, minimum speed-up vs hf, minimum memory ratio vs hf or None)
+    (131072, 10.0, None),
+    (524288, 30.0, 10.0),
+)
+
+
+def parse_args(argv=None):
+    p = common.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=None, help="T (default 2048; quick 512)")
+    p.add_argument("--dims", type=int, nargs="+", default=None, help="D values (default 256; 256 1024 on a GPU)")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        nargs="+",
+        default=None,
+        help="V values (default 32768 131072 524288 1048576; quick 8192 32768)",
+    )
+    p.add_argument("--num_samples", type=int, default=20, help="M negatives per token (per-query)")
+    p.add_argument("--pool_size", type=int, default=1024, help="P negatives in the shared pool")
+    p.add_argument("--codebook_size", type=int, default=64, help="K")
+    p.add_argument("--kmeans_iters", type=int, default=20)
+    p.add_argument("--kmeans_backend", default="torch", choices=["torch", "faiss"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="parameter dtype (auto: float32 on CPU, bfloat16 on a GPU)",
+    )
+    p.add_argument(
+        "--max_mem_gb",
+        type=float,
+        default=20.0,
+        help="skip a case whose estimated peak exceeds this (or 85%% of free memory)",
+    )
+    p.add_argument(
+        "--budget_s",
+        type=float,
+        default=None,
+        help="stop repeating a case after this many seconds (default 60; quick 5)",
+    )
+    p.add_argument("--samplers", nargs="+", default=list(SAMPLED), help="sampled-softmax proposals to run")
+    p.add_argument(
+        "--skip_cases",
+        nargs="+",
+        default=[],
+        help="case labels to leave out, e.g. torch-chunked (slow on CPU: see the module doc)",
+    )
+    return common.parse(p, argv)
+
+
+def zipf_counts(v: int, generator: torch.Generator, tokens: int = 1_000_000) -> torch.Tensor:
+    """(V,) token counts of a Zipf(1) corpus, with class ids shuffled (frequency is not the id)."""
+    p = 1.0 / torch.arange(1, v + 1, dtype=torch.float64)
+    counts = (p / p.sum() * tokens).floor()
+    return counts[torch.randperm(v, generator=generator)]
+
+
+def estimate_bytes(case: str, t: int, v: int, d: int, elt: int) -> int:
+    """Rough peak of a case, used only to skip what will not fit."""
+    params = v * d * elt  # the weight's gradient
+    if case == "hf":
+        # float32: logits + log-softmax + their gradient, 12 bytes per logit (measured: 3.00 GiB at
+        # T=2048, V=131072). bf16 adds the bf16 logits and their bf16 gradient: 16 bytes.
+        return int(1.1 * t * v * (12 if elt == 4 else 16)) + params
+    return 3 * params + (64 << 20)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = common.resolve_device(args.device)
+    dtype = {
+        "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+    }[args.dtype]
+    warmup, repeats = common.repeats_of(args, full=5, quick=1 if args.smoke else 2)
+    t = args.tokens or (256 if args.smoke else 512 if args.quick else 2048)
+    if args.budget_s is None:
+        args.budget_s = 5.0 if args.quick else 60.0
+    dims = args.dims or ([64] if args.smoke else [256, 1024] if device.type == "cuda" and not args.quick else [256])
+    vocab = args.vocab or ([4096] if args.smoke else [8192, 32768] if args.quick else [32768, 131072, 524288, 1048576])
+    if args.smoke:
+        args.kmeans_iters = min(args.kmeans_iters, 3)
+    m, pool, k = args.num_samples, args.pool_size, args.codebook_size
+    liger_ce = None
+    if device.type == "cuda":
+        try:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # noqa: PLC0415
+
+            liger_ce = LigerFusedLinearCrossEntropyLoss()
+        except ImportError:
+            print("liger_kernel not installed: the liger case is left out (pip install liger-kernel).")
+    env = common.environment(device)
+    settings = {
+        "tokens": t,
+        "dims": dims,
+        "vocab": vocab,
+        "num_samples": m,
+        "pool_size": pool,
+        "codebook_size": k,
+        "kmeans_iters": args.kmeans_iters,
+        "kmeans_backend": args.kmeans_backend,
+        "dtype": str(dtype),
+        "warmup": warmup,
+        "repeats": repeats,
+        "budget_s": args.budget_s,
+        "max_mem_gb": args.max_mem_gb,
+        "quick": args.quick,
+        "smoke": args.smoke,
+        "samplers": args.samplers,
+        "seed": args.seed,
+        "timed": "forward + backward of head and loss (sampling included, index build excluded)",
+        "memory": "peak bytes the step allocates (CPU: torch.profiler memory events; GPU: max_memory_allocated)",
+    }
+    common.print_header(NAME, env, settings)
+
+    rows, builds, results = [], [], []
+    for d in dims:
+        for v in vocab:
+            results += run_size(args, device, dtype, env, t, d, v, m, pool, k, warmup, repeats, liger_ce, rows, builds)
+            common.free_memory(device)
+
+    targets = check_targets(results)
+    payload = {
+        "benchmark": NAME,
+        "settings": settings,
+        "environment": env,
+        "rows": rows,
+        "results": results,
+        "index_build": builds,
+        "targets": targets,
+    }
+    md = render_markdown(env, settings, results, builds, targets)
+    common.write_outputs(args.out, NAME, payload, md)
+    if not args.no_plots:
+        plot(args.out, results)
+    print(md)
+    return payload
+
+
+def run_size(args, device, dtype, env, t, d, v, m, pool, k, warmup, repeats, liger_ce, rows, builds):
+    gen = torch.Generator().manual_seed(args.seed)
+    counts = zipf_counts(v, gen)
+    labels = torch.multinomial(counts.float() + 1, t, replacement=True, generator=gen).to(device)
+    weight = (torch.randn(v, d, generator=gen) * d**-0.5).to(device=device, dtype=dtype).requires_grad_()
+    hidden = torch.randn(t, d, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    elt = torch.finfo(dtype).bits // 8
+    budget = common.memory_budget_bytes(device, args.max_mem_gb)
+    print(f"\n-- T={t} D={d} V={v} ({dtype}) --")
+
+    samplers = {}
+    for name in args.samplers:
+        t0 = time.perf_counter()
+        samplers[name] = hf_midx.build_sampler(
+            name,
+            weight.detach(),
+            codebook_size=k,
+            class_counts=counts,
+            seed=args.seed,
+            **(
+                {"kmeans_iters": args.kmeans_iters, "kmeans_backend": args.kmeans_backend}
+                if name.startswith("midx")
+                else {}
+            ),
+        )
+        common.sync(device)
+        secs = time.perf_counter() - t0
+        if name.startswith("midx"):
+            builds.append(
+                {
+                    "V": v,
+                    "D": d,
+                    "sampler": name,
+                    "build_s": secs,
+                    "K": k,
+                    "kmeans_iters": args.kmeans_iters,
+                    "kmeans_backend": args.kmeans_backend,
+                }
+            )
+            rows.append(
+                common.row(
+                    env,
+                    op="index_build",
+                    provider=name,
+                    metric="time",
+                    unit="s",
+                    x_name="V",
+                    x_value=v,
+                    value=secs,
+                    D=d,
+                    K=k,
+                )
+            )
+            print(f"build {name:8s}: {secs:.2f} s")
+
+    cases = [
+        ("hf", "full logits + F.cross_entropy", 0, lambda: F.cross_entropy(F.linear(hidden, weight).float(), labels))
+    ]
+    cases.append(
+        (
+            "torch-chunked",
+            "hf_midx.full_softmax_loss (F.linear_cross_entropy)",
+            0,
+            lambda: hf_midx.full_softmax_loss(hidden, weight, labels),
+        )
+    )
+    if device.type == "cpu" and hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        # The same torch op with 512-token chunks and fp32 accumulation: a yardstick for full_softmax_loss's chunks.
+        tuned = torch.nn.LinearCrossEntropyOptions(acc_policy="accurate", batch_chunk_size=512, chunking_method=None)
+        cases.append(
+            (
+                "torch-chunked-512",
+                "F.linear_cross_entropy, acc_policy=accurate, batch_chunk_size=512",
+                0,
+                lambda: F.linear_cross_entropy(hidden, weight, labels, options=tuned),
+            )
+        )
+    if liger_ce is not None:
+        cases.append(("liger", "LigerFusedLinearCrossEntropyLoss", 0, lambda: liger_ce(weight, hidden, labels)))
+    for name, smp in samplers.items():
+        extra = 2 * k if name.startswith("midx") else 0
+        for mode, n in (("per-query", m), ("shared", pool)):
+
+            def fn(smp=smp, n=n, mode=mode):
+                return hf_midx.sampled_softmax_loss(hidden, weight, labels, smp, n, negatives=mode)
+
+            def draw(smp=smp, n=n, mode=mode):
+                return smp.sample(hidden, n) if mode == "per-query" else smp.sample_shared(hidden, n)
+
+            label = f"{name}/{mode}"
+            cases.append(
+                (
+                    label,
+                    f"sampled_softmax_loss {name}, {mode}, {'M' if mode == 'per-query' else 'P'}={n}",
+                    (n + extra) / v,
+                    fn,
+                    draw,
+                )
+            )
+
+    out = []
+    for case in cases:
+        label, what, flop_ratio, fn = case[:4]
+        if label in args.skip_cases:
+            continue
+        draw = case[4] if len(case) > 4 else None
+        rec = {"V": v, "D": d, "T": t, "case": label, "what": what, "flop_ratio": flop_ratio or None}
+        est = estimate_bytes(label, t, v, d, elt)
+        if est > budget:
+            rec["skipped"] = f"memory (needs ~{common.fmt_bytes(est)}, budget {common.fmt_bytes(budget)})"
+            print(f"{label:22s} skipped: memory (~{common.fmt_bytes(est)} > {common.fmt_bytes(budget)})")
+            out.append(rec)
+            continue
+
+        def step(fn=fn):
+            hidden.grad = None
+            weight.grad = None
+            fn().backward()
+
+        try:
+            stats = common.time_op(step, device, warmup=warmup, repeats=repeats, budget_s=args.budget_s)
+            hidden.grad = weight.grad = None
+            common.free_memory(device)
+            mem = common.peak_memory(lambda fn=fn: fn().backward(), device)
+            hidden.grad = weight.grad = None
+        except (RuntimeError, MemoryError) as err:  # an out-of-memory that the estimate missed
+            hidden.grad = weight.grad = None
+            common.free_memory(device)
+            rec["skipped"] = f"error: {str(err).splitlines()[0][:120]}"
+            print(f"{label:22s} skipped: {rec['skipped']}")
+            out.append(rec)
+            continue
+        rec.update(
+            {
+                "ms": stats["p50"],
+                "warm": stats.get("warm", True),
+                "ms_p20": stats["p20"],
+                "ms_p80": stats["p80"],
+                "repeats": stats["n"],
+                "peak_bytes": mem["peak_bytes"],
+                "memory_method": mem["method"],
+            }
+        )
+        if draw is not None:
+            rec["sampling_ms"] = common.time_op(draw, device, warmup=1, repeats=repeats)["p50"]
+        rows.append(
+            common.row(
+                env,
+                op="head_fwd_bwd",
+                provider=label,
+                metric="time",
+                unit="ms",
+                x_name="V",
+                x_value=v,
+                stats=stats,
+                D=d,
+                T=t,
+            )
+        )
+        rows.append(
+            common.row(
+                env,
+                op="head_fwd_bwd",
+                provider=label,
+                metric="peak_memory",
+                unit="bytes",
+                x_name="V",
+                x_value=v,
+                value=mem["peak_bytes"],
+                D=d,
+                T=t,
+                method=mem["method"],
+            )
+        )
+        print(
+            f"{label:22s} {common.fmt_ms(stats['p50']):>10s}  peak {common.fmt_bytes(mem['peak_bytes']):>10s}"
+            + (f"  (sampling {common.fmt_ms(rec['sampling_ms'])})" if "sampling_ms" in rec else "")
+        )
+        out.append(rec)
+        common.free_memory(device)
+
+    ref = {c: next((r for r in out if r["case"] == c and "ms" in r), None) for c in ("hf", "torch-chunked")}
+    for r in out:
+        if "ms" not in r:
+            continue
+        for key, base in (("hf", ref["hf"]), ("chunked", ref["torch-chunked"])):
+            r[f"speedup_vs_{key}"] = base["ms"] / r["ms"] if base else None
+            r[f"memory_ratio_vs_{key}"] = base["peak_bytes"] / max(r["peak_bytes"], 1) if base else None
+        r["ideal_speedup"] = 1.0 / r["flop_ratio"] if r.get("flop_ratio") else None
+    return out
+
+
+def check_targets(results):
+    """The mission's targets for the midx head against the HF way (met / missed / not measured)."""
+    checks = []
+    for v, speed, mem in TARGETS:
+        for case in ("midx-rq/per-query", "midx-rq/shared", "midx-pq/per-query", "midx-pq/shared"):
+            r = next((x for x in results if x["V"] == v and x["case"] == case and x["D"] == 256), None)
+            rec = {"V": v, "case": case, "min_speedup": speed, "min_memory_ratio": mem}
+            if r is None or r.get("speedup_vs_hf") is None:
+                rec["status"] = "not measured"
+            else:
+                rec["speedup"] = r["speedup_vs_hf"]
+                rec["memory_ratio"] = r["memory_ratio_vs_hf"]
+                ok = r["speedup_vs_hf"] >= speed and (mem is None or r["memory_ratio_vs_hf"] >= mem)
+                rec["status"] = "met" if ok else "missed"
+            checks.append(rec)
+    return checks
+
+
+def render_markdown(env, settings, results, builds, targets):
+    parts = [common.header_markdown("Output layer + loss, forward + backward", env, settings), ""]
+    parts.append(
+        "Speed-up and memory ratio are against the HF way (full logits + `F.cross_entropy`) in the same "
+        "run; ideal = V / (M + 2K) (per-query) or V / (P + 2K) (shared), the FLOP ratio a sampled head "
+        "could reach.\n"
+    )
+    for d in sorted({r["D"] for r in results}):
+        parts.append(f"## D = {d}\n")
+        table = []
+        for r in (x for x in results if x["D"] == d):
+            if "skipped" in r:
+                table.append({"V": r["V"], "case": r["case"], "time": f"skipped: {r['skipped']}"})
+                continue
+            table.append(
+                {
+                    "V": r["V"],
+                    "case": r["case"],
+                    "time": common.fmt_ms(r["ms"]) + ("" if r.get("warm", True) else " *"),
+                    "sampling": common.fmt_ms(r.get("sampling_ms")),
+                    "peak": common.fmt_bytes(r["peak_bytes"]),
+                    "speed": common.fmt_ratio(r.get("speedup_vs_hf")),
+                    "mem": common.fmt_ratio(r.get("memory_ratio_vs_hf")),
+                    "speed_c": common.fmt_ratio(r.get("speedup_vs_chunked")),
+                    "ideal": common.fmt_ratio(r.get("ideal_speedup"), 0),
+                }
+            )
+        parts.append(
+            common.markdown_table(
+                table,
+                [
+                    ("V", "V"),
+                    ("case", "case"),
+                    ("time (p50)", "time"),
+                    ("of which sampling", "sampling"),
+                    ("peak memory", "peak"),
+                    ("speed-up vs HF", "speed"),
+                    ("memory vs HF", "mem"),
+                    ("speed-up vs chunked", "speed_c"),
+                    ("ideal (FLOPs)", "ideal"),
+                ],
+            )
+        )
+        if any(not r.get("warm", True) for r in results if r["D"] == d and "ms" in r):
+            parts.append("\n\\* a single call: the first one already took longer than --budget_s.")
+        parts.append("")
+    if builds:
+        parts.append("## Index build (k-means, not in the step time)\n")
+        parts.append(
+            common.markdown_table(
+                [{**b, "build": f"{b['build_s']:.2f} s"} for b in builds],
+                [
+                    ("V", "V"),
+                    ("D", "D"),
+                    ("sampler", "sampler"),
+                    ("K", "K"),
+                    ("k-means iters", "kmeans_iters"),
+                    ("backend", "kmeans_backend"),
+                    ("build time", "build"),
+                ],
+            )
+        )
+        parts.append("")
+    parts.append("## Targets (D = 256)\n")
+    parts.append(
+        common.markdown_table(
+            [
+                {
+                    **c,
+                    "speed": common.fmt_ratio(c.get("speedup")),
+                    "mem": common.fmt_ratio(c.get("memory_ratio")),
+                    "want": f">= {c['min_speedup']:.0f}x faster"
+                    + (f", >= {c['min_memory_ratio']:.0f}x less memory" if c["min_memory_ratio"] else ""),
+                }
+                for c in targets
+            ],
+            [
+                ("V", "V"),
+                ("case", "case"),
+                ("target", "want"),
+                ("speed-up", "speed"),
+                ("memory ratio", "mem"),
+                ("status", "status"),
+            ],
+        )
+    )
+    return "\n".join(parts)
+
+
+def plot(out_dir, results):
+    plt = common.pyplot()
+    for d in sorted({r["D"] for r in results}):
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for case in dict.fromkeys(r["case"] for r in results):
+            pts = [
+                (r["V"], r["ms"], r["peak_bytes"]) for r in results if r["case"] == case and r["D"] == d and "ms" in r
+            ]
+            if not pts:
+                continue
+            vs, ms, mem = zip(*pts)
+            style = "-" if case in ("hf", "torch-chunked", "liger") else "--"
+            axes[0].plot(vs, ms, style, marker="o", label=case)
+            axes[1].plot(vs, [b / 2**20 for b in mem], style, marker="o", label=case)
+        for ax, ylabel in zip(axes, ("forward + backward (ms)", "peak memory (MiB)")):
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("V (classes)")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0].legend(fontsize=7)
+        axes[0].set_title(f"Head + loss, D={d}")
+        axes[1].set_title("Peak memory of the step")
+        common.save_figure(fig, out_dir, f"{NAME}_D{d}.png")
+
+
+if __name__ == "__main__":
+    main()

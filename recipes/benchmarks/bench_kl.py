@@ -1,0 +1,619 @@
+"""How close each proposal is to the softmax (the paper's "Sampling Distribution Analysis").
+
+On two sets of class embeddings and queries --
+
+* **trained**: a language model's head weight (V, D) and the final hidden states of held-out text,
+  from (in this order of preference) ``--model_dir`` (a model saved by ``recipes/wikitext2.py``),
+  a model the recipe trains here for ``--train_steps`` steps on ``--data_dir`` (``--source train``),
+  or structured synthetic embeddings (``--source synthetic``: clustered, Zipf-frequency classes and
+  queries near their label's cluster). The report says which was used;
+* **random**: the same V and D at initialization: weights N(0, 0.02^2) (GPT-2's initializer_range)
+  and N(0, 1) queries (a LayerNorm output), where every softmax is nearly uniform --
+
+every sampler of ``hf_midx.SAMPLERS`` is measured by
+
+* KL(Q || P) (``hf_midx.kl_to_softmax``, mean over S queries) and KL(P || Q), with P the softmax;
+* the gradient bias of the sampled-softmax loss (M = 20 negatives per token): the relative distance
+  ||mean_R grad_sampled - grad_full|| / ||grad_full|| over R independent draws, for the gradient
+  w.r.t. the hidden states and w.r.t. the head weight, with the Monte-Carlo noise of that mean
+  (``se``) and the bias with the noise removed (``debiased``: sqrt(max(0, d^2 - se^2)));
+
+for the MIDX samplers at K in {8, 16, 32, 64, 128}; k-means codebooks against
+``hf_midx.LearnableCodebooks`` trained for ``--learn_steps`` steps (the paper: KL 1.56 -> 1.29 for
+rq); and plots the cumulative sampling distributions (mean over queries) against the softmax, classes
+ordered by training frequency and by softmax probability, like the paper's figures.
+
+Run: ``python recipes/benchmarks/bench_kl.py --out bench-out [--quick] [--model_dir runs/wikitext2]``.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import hf_midx  # noqa: E402
+from hf_midx import LearnableCodebooks  # noqa: E402
+
+NAME = "bench_kl"
+MIDX = ("midx-rq", "midx-pq", "midx-exact")
+PAPER_LEARNED = {"midx-pq": (2.2421, 1.6625), "midx-rq": (1.5551, 1.2905)}  # KL k-means -> learned (PTB, LSTM)
+
+
+def parse_args(argv=None):
+    p = common.base_parser(__doc__.splitlines()[0])
+    p.add_argument(
+        "--source",
+        default="auto",
+        choices=["auto", "model", "train", "synthetic"],
+        help="trained embeddings: auto = model with --model_dir, else train when the data exists "
+        "(not in --quick), else synthetic",
+    )
+    p.add_argument("--model_dir", default=None, help="a model saved by recipes/wikitext2.py (head weight + tokenizer)")
+    p.add_argument(
+        "--data_dir",
+        default=None,
+        help="WikiText-style folder (train.txt, valid.txt); default ../shared/data/wikitext-2 if present",
+    )
+    p.add_argument("--train_steps", type=int, default=400, help="--source train: optimizer steps of the recipe")
+    p.add_argument("--train_sampler", default="full", help="--source train: the recipe's --sampler")
+    p.add_argument("--recipe_args", default="", help="--source train: extra flags for recipes/wikitext2.py")
+    p.add_argument("--vocab", type=int, default=None, help="synthetic V (default 33278; quick 4000)")
+    p.add_argument("--dim", type=int, default=None, help="synthetic D (default 200; quick 64)")
+    p.add_argument("--queries", type=int, default=None, help="S queries for KL and gradients (default 256; quick 64)")
+    p.add_argument("--codebook_sizes", type=int, nargs="+", default=None, help="K values (default 8 16 32 64 128)")
+    p.add_argument("--num_samples", type=int, default=20, help="M negatives per token for the gradient bias")
+    p.add_argument("--grad_repeats", type=int, default=None, help="R draws averaged (default 50; quick 6)")
+    p.add_argument("--learn_k", type=int, default=32, help="K of the learned-codebook comparison")
+    p.add_argument(
+        "--learn_steps", type=int, default=None, help="LearnableCodebooks Adam steps (default 300; quick 20)"
+    )
+    p.add_argument("--learn_lr", type=float, default=1e-3, help="their learning rate (MidxConfig's default)")
+    p.add_argument("--learn_queries", type=int, default=64, help="queries per step in the KL term (kl_queries)")
+    p.add_argument("--plot_k", type=int, default=None, help="K of the cumulative-distribution plot (default 32)")
+    p.add_argument("--samplers", nargs="+", default=None, help="default: all of hf_midx.SAMPLERS")
+    return common.parse(p, argv)
+
+
+# ---------------------------------------------------------------------------- sources
+def zipf_counts(v: int, tokens: float = 2e6) -> torch.Tensor:
+    p = 1.0 / torch.arange(1, v + 1, dtype=torch.float64)
+    return (p / p.sum() * tokens).floor() + 1
+
+
+def synthetic_source(v: int, d: int, n: int, seed: int) -> dict:
+    """Clustered classes with Zipf frequencies; queries near their label's cluster.
+
+    Class i sits in cluster c(i) (64 clusters): q_i = center[c(i)] + 0.5 noise + 0.35 log(freq_i) u, with
+    u a fixed "frequency" direction, so frequent words score higher everywhere, as in trained LM heads.
+    A query for label y is s (center[c(y)] + 0.6 noise + 0.4 u), the scale s set so that the mean
+    softmax entropy is half of log V (about what a WikiText-2 model reaches: ~5 of 10.4 nats).
+    Ids are frequency ranks.
+    """
+    g = torch.Generator().manual_seed(seed)
+    counts = zipf_counts(v)
+    clusters = 64
+    centers = torch.randn(clusters, d, generator=g) / math.sqrt(d) * 3.0
+    u = torch.nn.functional.normalize(torch.randn(d, generator=g), dim=0)
+    assign = torch.randint(clusters, (v,), generator=g)
+    logf = (counts / counts.sum()).log().float()
+    weight = (
+        centers[assign]
+        + 0.5 * torch.randn(v, d, generator=g) / math.sqrt(d)
+        + 0.35 * (logf - logf.mean()).unsqueeze(1) * u
+    )
+    labels = torch.multinomial(counts.float(), n, replacement=True, generator=g)
+    base = centers[assign[labels]] + 0.6 * torch.randn(n, d, generator=g) / math.sqrt(d) + 0.4 * u
+    target = 0.5 * math.log(v)
+    probe = base[: min(n, 256)]
+
+    def entropy(scale: float) -> float:
+        lp = torch.log_softmax(scale * probe @ weight.t(), dim=1)
+        return float(-(lp.exp() * lp).sum(1).mean())
+
+    lo, hi = 1e-3, 1e3  # entropy falls as the scale grows
+    for _ in range(40):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if entropy(mid) > target else (lo, mid)
+    scale = math.sqrt(lo * hi)
+    return {
+        "weight": weight,
+        "queries": scale * base,
+        "labels": labels,
+        "counts": counts,
+        "description": f"structured synthetic embeddings (V={v}, D={d}, 64 clusters, Zipf(1) frequencies, "
+        f"query scale {scale:.2f} for a mean softmax entropy of log(V)/2)",
+    }
+
+
+def random_source(v: int, d: int, n: int, counts: torch.Tensor, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed + 1)
+    return {
+        "weight": torch.randn(v, d, generator=g) * 0.02,
+        "queries": torch.randn(n, d, generator=g),
+        "labels": torch.multinomial(counts.float(), n, replacement=True, generator=g),
+        "counts": counts,
+        "description": f"random initialization (V={v}, D={d}): weights N(0, 0.02^2), queries N(0, 1)",
+    }
+
+
+def model_source(model_dir: str, data_dir: str | None, n: int, seed: int) -> dict:
+    """Head weight of a saved recipe model, and final hidden states of validation text with their next tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    lm_data = common.import_recipe("lm_data")
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    files = common.data_files(data_dir) or {
+        "train": common.SAMPLE_DATA_DIR / "train.txt",
+        "validation": common.SAMPLE_DATA_DIR / "valid.txt",
+    }
+    weight = model.get_output_embeddings().weight.detach().float()
+    v = weight.shape[0]
+    train_ids = lm_data.encode_lines(tok, lm_data.read_lines(files["train"]))
+    counts = lm_data.token_counts(train_ids, v).double()
+    valid_ids = lm_data.encode_lines(tok, lm_data.read_lines(files["validation"]))
+    seq = min(50, int(getattr(model.config, "n_positions", 51)) - 1)
+    blocks = lm_data.TokenBlocks.from_stream(valid_ids, seq).data
+    need = max(1, math.ceil(4 * n / seq))
+    g = torch.Generator().manual_seed(seed)
+    pick = blocks[torch.randperm(len(blocks), generator=g)[:need]]
+    hidden = []
+    with torch.no_grad():
+        for chunk in pick.split(32):
+            out = model(input_ids=chunk, output_hidden_states=True)
+            hidden.append(out.hidden_states[-1][:, :-1].reshape(-1, weight.shape[1]).float())
+    hidden = torch.cat(hidden)
+    labels = pick[:, 1:].reshape(-1)
+    keep = torch.randperm(hidden.shape[0], generator=g)[: 2 * n]
+    return {
+        "weight": weight,
+        "queries": hidden[keep],
+        "labels": labels[keep],
+        "counts": counts,
+        "description": f"model {model_dir} (V={v}, D={weight.shape[1]}): head weight and final hidden states "
+        f"of {files['validation'].name}",
+    }
+
+
+def train_model(args, out_dir: Path, files: dict) -> str:
+    """Train the paper's WikiText-2 model with the recipe for ``--train_steps`` steps; returns its folder."""
+    wikitext2 = common.import_recipe("wikitext2")
+    folder = out_dir / "bench_kl_model"
+    argv = [
+        "--train_file",
+        str(files["train"]),
+        "--validation_file",
+        str(files["validation"]),
+        "--output_dir",
+        str(folder),
+        "--sampler",
+        args.train_sampler,
+        "--max_steps",
+        str(args.train_steps),
+        "--eval_strategy",
+        "no",
+        "--save_strategy",
+        "no",
+        "--logging_steps",
+        "50",
+        "--disable_tqdm",
+        "true",
+        "--max_eval_samples",
+        "64",
+        "--seed",
+        str(args.seed),
+        *shlex.split(args.recipe_args),
+    ]
+    print(f"training the recipe's model for the 'trained' embeddings: wikitext2.py {' '.join(argv)}")
+    t0 = time.perf_counter()
+    wikitext2.main(argv)
+    print(f"trained in {time.perf_counter() - t0:.0f} s")
+    return str(folder)
+
+
+# ---------------------------------------------------------------------------- measurements
+def build(name: str, weight, counts, k: int, seed: int, rq=None):
+    if name == "midx-exact" and rq is not None:
+        smp = hf_midx.build_sampler(name, weight, codebook_size=k, seed=seed, kmeans_iters=0)
+        state = rq.state_dict()
+        state["embeddings"] = weight
+        smp.load_state_dict(state)
+        return smp
+    return hf_midx.build_sampler(name, weight, codebook_size=k, class_counts=counts, seed=seed)
+
+
+def measure(smp, src: dict, s_idx, g_idx, log_p, full_grads, args) -> dict:
+    weight, queries, labels = src["weight"], src["queries"], src["labels"]
+    q = queries[s_idx]
+    kl_qp = float(hf_midx.kl_to_softmax(smp, q, weight))
+    log_q = smp.full_log_prob(q)
+    p = log_p.exp()
+    kl_pq = float((p * (log_p - log_q)).sum(1).mean())
+    rec = {"kl_qp": kl_qp, "kl_pq": kl_pq}
+    rec.update(grad_bias(smp, weight, queries[g_idx], labels[g_idx], full_grads, args))
+    return rec, log_q.exp().mean(0)
+
+
+def full_gradients(weight, hidden, labels):
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    loss = hf_midx.full_softmax_loss(h, w, labels)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    return {"hidden": gh, "weight": gw}
+
+
+def grad_bias(smp, weight, hidden, labels, full, args) -> dict:
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    sums = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in full.items()}
+    sq = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in full.items()}
+    r = args.grad_repeats
+    for _ in range(r):
+        loss = hf_midx.sampled_softmax_loss(h, w, labels, smp, args.num_samples)
+        gh, gw = torch.autograd.grad(loss, (h, w))
+        for key, g in (("hidden", gh), ("weight", gw)):
+            g = g.double()
+            sums[key] += g
+            sq[key] += g * g
+    out = {}
+    for key, ref in full.items():
+        mean = sums[key] / r
+        var = (sq[key] / r - mean * mean).clamp_min(0) * r / max(r - 1, 1)
+        norm = float(ref.double().norm())
+        dist2 = float(((mean - ref.double()) ** 2).sum())
+        se2 = float(var.sum()) / r
+        out[f"grad_bias_{key}"] = math.sqrt(dist2) / norm
+        out[f"grad_se_{key}"] = math.sqrt(se2) / norm
+        out[f"grad_bias_{key}_debiased"] = math.sqrt(max(0.0, dist2 - se2)) / norm
+    return out
+
+
+def learn_codebooks(smp, src, train_idx, args) -> dict:
+    """Train LearnableCodebooks from the sampler's k-means codebooks; install them; return the curve."""
+    cb = LearnableCodebooks(smp.index.codebooks, smp.quantizer)
+    opt = torch.optim.Adam(cb.parameters(), lr=args.learn_lr)
+    g = torch.Generator().manual_seed(args.seed + 11)
+    weight, queries = src["weight"], src["queries"][train_idx]
+    history = []
+    t0 = time.perf_counter()
+    for step in range(args.learn_steps):
+        pick = torch.randint(queries.shape[0], (args.learn_queries,), generator=g)
+        out = cb(weight, queries[pick])
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+        if step == 0 or (step + 1) % max(1, args.learn_steps // 10) == 0:
+            history.append(
+                {"step": step + 1, "loss": float(out["loss"]), "recon": float(out["recon"]), "kl": float(out["kl"])}
+            )
+    smp.set_codebooks(cb.codebooks, weight)
+    return {"history": history, "seconds": time.perf_counter() - t0}
+
+
+def run_source(label: str, src: dict, args, samplers, ks) -> dict:
+    weight, queries = src["weight"].float(), src["queries"].float()
+    src["weight"], src["queries"] = weight, queries
+    v, d = weight.shape
+    g = torch.Generator().manual_seed(args.seed + 5)
+    perm = torch.randperm(queries.shape[0], generator=g)
+    s = min(args.queries, queries.shape[0] // 2)
+    s_idx, train_idx = perm[:s], perm[s:]
+    g_idx = s_idx  # the gradient bias uses the same held-out queries, with their labels
+    print(f"\n-- {label}: {src['description']} --")
+    log_p = torch.log_softmax(queries[s_idx] @ weight.t(), dim=1)
+    entropy = float(-(log_p.exp() * log_p).sum(1).mean())
+    print(f"mean softmax entropy {entropy:.3f} nats (uniform: {math.log(v):.3f})")
+    full = full_gradients(weight, queries[g_idx], src["labels"][g_idx])
+    results, mean_q = [], {}
+    mean_p = log_p.exp().mean(0)
+    for name in samplers:
+        for k in ks if name in MIDX else [None]:
+            t0 = time.perf_counter()
+            rq = None
+            if name == "midx-exact":
+                rq = build("midx-rq", weight, src["counts"], k, args.seed)
+            smp = build(name, weight, src["counts"], k or 64, args.seed, rq=rq)
+            rec, mq = measure(smp, src, s_idx, g_idx, log_p, full, args)
+            rec.update(
+                {
+                    "source": label,
+                    "sampler": name,
+                    "K": k,
+                    "codebooks": "kmeans" if k else None,
+                    "seconds": time.perf_counter() - t0,
+                }
+            )
+            if name in ("midx-rq", "midx-pq"):
+                rec["distortion"] = smp.index.distortion(weight)
+            results.append(rec)
+            if k in (None, args.plot_k):
+                mean_q[name] = mq
+            print(
+                f"{name:12s} K={k or '-':>4}: KL(Q||P) {rec['kl_qp']:.4f}  KL(P||Q) {rec['kl_pq']:.4f}  "
+                f"grad bias hidden {rec['grad_bias_hidden']:.4f} (se {rec['grad_se_hidden']:.4f})  "
+                f"weight {rec['grad_bias_weight']:.4f}"
+            )
+            if name in ("midx-rq", "midx-pq") and k == args.learn_k and len(train_idx) > 0:
+                learned = learn_codebooks(smp, src, train_idx, args)
+                lrec, lq = measure(smp, src, s_idx, g_idx, log_p, full, args)
+                lrec.update(
+                    {
+                        "source": label,
+                        "sampler": name,
+                        "K": k,
+                        "codebooks": "learned",
+                        "distortion": smp.index.distortion(weight),
+                        "learn": learned,
+                        "kmeans_kl_qp": rec["kl_qp"],
+                    }
+                )
+                results.append(lrec)
+                mean_q[f"{name} (learned)"] = lq
+                print(
+                    f"{name:12s} K={k:>4} learned ({args.learn_steps} steps, {learned['seconds']:.0f} s): "
+                    f"KL(Q||P) {rec['kl_qp']:.4f} -> {lrec['kl_qp']:.4f}"
+                )
+    order_freq = torch.argsort(src["counts"].double(), descending=True, stable=True)
+    order_p = torch.argsort(mean_p, descending=True, stable=True)
+    curves = {"softmax": mean_p, **mean_q}
+    cumulative = {
+        "by_frequency": {n: torch.cumsum(c[order_freq].double(), 0).float() for n, c in curves.items()},
+        "by_softmax": {n: torch.cumsum(c[order_p].double(), 0).float() for n, c in curves.items()},
+    }
+    return {
+        "label": label,
+        "description": src["description"],
+        "V": v,
+        "D": d,
+        "queries": s,
+        "softmax_entropy": entropy,
+        "results": results,
+        "cumulative": cumulative,
+    }
+
+
+# ---------------------------------------------------------------------------- main
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = common.resolve_device(args.device)
+    if device.type != "cpu":
+        print("bench_kl measures distributions, not speed: it runs on the CPU.")
+    device = torch.device("cpu")
+    q, smoke = args.quick, args.smoke
+    args.queries = args.queries or (32 if smoke else 64 if q else 256)
+    args.grad_repeats = args.grad_repeats or (3 if smoke else 6 if q else 50)
+    args.learn_steps = args.learn_steps if args.learn_steps is not None else (5 if smoke else 20 if q else 300)
+    ks = args.codebook_sizes or ([8, 16] if smoke else [8, 32] if q else [8, 16, 32, 64, 128])
+    args.plot_k = args.plot_k or (32 if 32 in ks else ks[-1])
+    if args.learn_k not in ks:
+        args.learn_k = ks[-1] if q else args.learn_k
+    samplers = args.samplers or list(hf_midx.SAMPLERS)
+    files = common.data_files(args.data_dir)
+    source = args.source
+    if source == "auto":
+        source = "model" if args.model_dir else ("train" if files and not q else "synthetic")
+    if source == "model" and not args.model_dir:
+        raise SystemExit("--source model needs --model_dir (a folder saved by recipes/wikitext2.py).")
+    if source == "train" and not files:
+        raise SystemExit("--source train needs WikiText-2 text: pass --data_dir (train.txt, valid.txt).")
+    torch.manual_seed(args.seed)
+    env = common.environment(device)
+    settings = {
+        "source": source,
+        "model_dir": args.model_dir,
+        "data_dir": str(args.data_dir or common.DEFAULT_DATA_DIR),
+        "queries": args.queries,
+        "codebook_sizes": ks,
+        "num_samples": args.num_samples,
+        "grad_repeats": args.grad_repeats,
+        "learn_k": args.learn_k,
+        "learn_steps": args.learn_steps,
+        "learn_lr": args.learn_lr,
+        "learn_queries": args.learn_queries,
+        "plot_k": args.plot_k,
+        "samplers": samplers,
+        "quick": q,
+        "smoke": smoke,
+        "seed": args.seed,
+    }
+    if source == "train":
+        settings.update(
+            {"train_steps": args.train_steps, "train_sampler": args.train_sampler, "recipe_args": args.recipe_args}
+        )
+    common.print_header(NAME, env, settings)
+
+    n = 2 * args.queries + 4 * args.learn_queries
+    if source in ("model", "train"):
+        model_dir = args.model_dir if source == "model" else train_model(args, Path(args.out), files)
+        trained = model_source(model_dir, args.data_dir, n, args.seed)
+        if source == "train":
+            trained["description"] = (
+                f"the recipe's model trained here for {args.train_steps} steps "
+                f"(--sampler {args.train_sampler}); " + trained["description"]
+            )
+    else:
+        v = args.vocab or (1000 if smoke else 4000 if q else 33278)
+        d = args.dim or (32 if smoke else 64 if q else 200)
+        trained = synthetic_source(v, d, n, args.seed)
+    v, d = trained["weight"].shape
+    randomized = random_source(v, d, n, trained["counts"], args.seed)
+    sources = [run_source("trained", trained, args, samplers, ks), run_source("random", randomized, args, samplers, ks)]
+
+    payload = {
+        "benchmark": NAME,
+        "settings": settings,
+        "environment": env,
+        "sources": [{k: v for k, v in s.items() if k != "cumulative"} for s in sources],
+        "rows": [
+            common.row(
+                env,
+                op="kl",
+                provider=r["sampler"]
+                + ("" if r["K"] is None else f"/K={r['K']}")
+                + (f"/{r['codebooks']}" if r.get("codebooks") == "learned" else ""),
+                metric="kl_q_p",
+                unit="nats",
+                x_name="source",
+                x_value=s["label"],
+                value=r["kl_qp"],
+            )
+            for s in sources
+            for r in s["results"]
+        ],
+        "paper_learned_codebooks": {k: {"kmeans": a, "learned": b} for k, (a, b) in PAPER_LEARNED.items()},
+    }
+    payload["cumulative_tail"] = {  # a few points of each curve, for readers of the JSON
+        s["label"]: {
+            order: {n: [float(c[min(i, len(c) - 1)]) for i in (0, 9, 99, 999, 9999)] for n, c in curves.items()}
+            for order, curves in s["cumulative"].items()
+        }
+        for s in sources
+    }
+    md = render_markdown(env, settings, sources, ks, samplers)
+    common.write_outputs(args.out, NAME, payload, md)
+    if not args.no_plots:
+        plot(args.out, sources, ks, samplers, args.plot_k)
+    print(md)
+    return payload
+
+
+def _f4(x: float) -> str:
+    return f"{0.0 if abs(x) < 5e-5 else x:.4f}"  # no "-0.0000" from rounding noise
+
+
+def render_markdown(env, settings, sources, ks, samplers):
+    parts = [common.header_markdown("Sampling distributions vs the softmax", env, settings), ""]
+    for s in sources:
+        parts.append(f"## {s['label']}: {s['description']}\n")
+        parts.append(
+            f"Mean softmax entropy {s['softmax_entropy']:.3f} nats (uniform {math.log(s['V']):.3f}); "
+            f"{s['queries']} held-out queries; gradient bias over {settings['grad_repeats']} draws of "
+            f"M={settings['num_samples']} negatives per token.\n"
+        )
+        table = []
+        for r in s["results"]:
+            table.append(
+                {
+                    "sampler": r["sampler"],
+                    "K": r["K"] if r["K"] is not None else "-",
+                    "cb": r.get("codebooks") or "-",
+                    "klqp": f"{_f4(r['kl_qp'])}",
+                    "klpq": f"{_f4(r['kl_pq'])}",
+                    "gh": f"{_f4(r['grad_bias_hidden'])} ± {_f4(r['grad_se_hidden'])}",
+                    "ghd": f"{_f4(r['grad_bias_hidden_debiased'])}",
+                    "gw": f"{_f4(r['grad_bias_weight'])} ± {_f4(r['grad_se_weight'])}",
+                    "gwd": f"{_f4(r['grad_bias_weight_debiased'])}",
+                }
+            )
+        parts.append(
+            common.markdown_table(
+                table,
+                [
+                    ("sampler", "sampler"),
+                    ("K", "K"),
+                    ("codebooks", "cb"),
+                    ("KL(Q‖P)", "klqp"),
+                    ("KL(P‖Q)", "klpq"),
+                    ("grad bias, hidden (± MC se)", "gh"),
+                    ("hidden, noise removed", "ghd"),
+                    ("grad bias, weight (± MC se)", "gw"),
+                    ("weight, noise removed", "gwd"),
+                ],
+            )
+        )
+        parts.append("")
+        learned = [r for r in s["results"] if r.get("codebooks") == "learned"]
+        if learned:
+            parts.append(
+                f"### k-means vs learned codebooks ({s['label']}, K={settings['learn_k']}, "
+                f"{settings['learn_steps']} Adam steps at lr {settings['learn_lr']})\n"
+            )
+            parts.append(
+                common.markdown_table(
+                    [
+                        {
+                            "sampler": r["sampler"],
+                            "km": f"{_f4(r['kmeans_kl_qp'])}",
+                            "ln": f"{_f4(r['kl_qp'])}",
+                            "paper": "{:.4f} -> {:.4f}".format(*PAPER_LEARNED[r["sampler"]]),
+                        }
+                        for r in learned
+                    ],
+                    [
+                        ("sampler", "sampler"),
+                        ("KL(Q‖P) k-means", "km"),
+                        ("KL(Q‖P) learned", "ln"),
+                        ("paper (PTB LSTM, its KL-loss)", "paper"),
+                    ],
+                )
+            )
+            parts.append("")
+    parts.append(
+        "KL(Q‖P) = Σ Q log(Q/P) over all V classes (hf_midx.kl_to_softmax). The gradient bias is "
+        "‖mean of R sampled gradients − full gradient‖ / ‖full gradient‖; '±' is the Monte-Carlo "
+        "standard error of that mean, which the 'noise removed' column subtracts in quadrature."
+    )
+    return "\n".join(parts)
+
+
+def plot(out_dir, sources, ks, samplers, plot_k):
+    plt = common.pyplot()
+    for s in sources:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for ax, (order, curves) in zip(axes, s["cumulative"].items()):
+            for name, c in curves.items():
+                x = torch.arange(1, len(c) + 1)
+                style = (
+                    {"linewidth": 3, "color": "black", "zorder": 0}
+                    if name == "softmax"
+                    else {"linewidth": 1, "linestyle": ":"}
+                    if name == "midx-exact"
+                    else {"linewidth": 1.2}
+                )
+                ax.plot(x.numpy(), c.numpy(), label=name, **style)
+            ax.set_xscale("log")
+            ax.set_xlabel("classes, " + ("most frequent first" if order == "by_frequency" else "most probable first"))
+            ax.set_ylabel("cumulative probability (mean over queries)")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0].set_title(f"{s['label']}: ordered by training frequency (MIDX K={plot_k})")
+        axes[1].set_title(f"{s['label']}: ordered by softmax probability")
+        axes[1].legend(fontsize=7)
+        common.save_figure(fig, out_dir, f"{NAME}_cumulative_{s['label']}.png")
+    fig, axes = plt.subplots(1, len(sources), figsize=(6 * len(sources), 4.5), squeeze=False)
+    for ax, s in zip(axes[0], sources):
+        for name in samplers:
+            pts = sorted(
+                (r["K"], r["kl_qp"]) for r in s["results"] if r["sampler"] == name and r.get("codebooks") != "learned"
+            )
+            if not pts:
+                continue
+            if pts[0][0] is None:
+                ax.axhline(pts[0][1], linestyle="--", linewidth=1, label=name, color=None)
+            else:
+                kx, kl = zip(*pts)
+                ax.plot(kx, kl, marker="o", label=name)
+        for r in s["results"]:
+            if r.get("codebooks") == "learned":
+                ax.plot(
+                    [r["K"]], [r["kl_qp"]], marker="*", markersize=12, linestyle="none", label=f"{r['sampler']} learned"
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("symlog", linthresh=1e-3)
+        ax.set_xlabel("K (codewords per codebook)")
+        ax.set_ylabel("KL(Q || softmax), nats")
+        ax.set_title(f"{s['label']} embeddings")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    common.save_figure(fig, out_dir, f"{NAME}_vs_K.png")
+
+
+if __name__ == "__main__":
+    main()

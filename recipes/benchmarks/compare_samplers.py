@@ -1,0 +1,573 @@
+"""The paper's language-model table: test perplexity of every sampler on WikiText-2, with recipes/wikitext2.py.
+
+Each sampler trains the paper's transformer (GPT-2 architecture, 2 layers, 4 heads, d 200, ff 1024,
+50 tokens per block, 20 negatives, K = 32; the recipe's defaults) with ``recipes/wikitext2.py``, in
+``--out/<sampler>`` (and ``--out/<sampler>-wallclock``), and is compared
+
+* at **equal epochs** (``--epochs``, default 1): exact full-softmax test perplexity after the same
+  number of passes over the data;
+* at **equal wall-clock**: every sampler trains for as long as ``full`` needed for those epochs
+  (its training time without evaluations): ``--max_steps`` = that budget / the sampler's own
+  measured time per step in the equal-epochs run.
+
+The adaptive samplers are rebuilt from the current head weight ``--refreshes_per_epoch`` times per
+epoch (the recipe's ``--refresh_every_steps``): the recipe's default refresh at each epoch start never
+happens in a 1-epoch run, which would leave the index built on the random initial weights (and the
+learned codebooks of ``midx-rq-learned`` unused, as they are installed at refreshes). Refresh time
+counts as training time.
+
+The validation perplexity is evaluated ``--evals_per_run`` times per run and plotted against the
+training time (evaluation time subtracted, read from the Trainer's log history). The paper's figures
+(Transformer on WikiText-2, 100 epochs with early stopping) are quoted beside ours; at 1 epoch ours
+are far from converged, so compare the ordering, not the values.
+
+Data: ``--data_dir`` (train.txt, valid.txt, test.txt), default ``../shared/data/wikitext-2`` beside the
+repository; without it (and in ``--quick`` unless ``--data_dir`` is given), the small WikiText-2 sample
+shipped in recipes/data (said in the report). ``--quick`` also shrinks the model (d 32, 1 layer), the
+blocks (20 tokens) and the data (64 training blocks, 16 evaluation blocks), and runs in-process.
+
+Run: ``python recipes/benchmarks/compare_samplers.py --out bench-out [--quick] [--epochs 1]``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+NAME = "compare_samplers"
+DEFAULT_SAMPLERS = (
+    "full",
+    "uniform",
+    "unigram",
+    "log-uniform",
+    "lsh",
+    "sphere",
+    "rff",
+    "midx-pq",
+    "midx-rq",
+    "midx-rq-learned",
+)
+#: Test perplexity of the paper's Transformer on WikiText-2 (its LM table).
+PAPER_PPL = {
+    "full": 180.8331,
+    "uniform": 259.4951,
+    "unigram": 218.4348,
+    "lsh": 221.4062,
+    "sphere": 273.8121,
+    "rff": 278.9223,
+    "midx-pq": 199.7429,
+    "midx-rq": 180.9055,
+}
+KEEP_MODELS = ("full", "midx-rq")  # their weights stay (e.g. for bench_kl.py --model_dir); others are deleted
+QUICK_OVERRIDES = "n_embd=32,n_layer=1,n_head=2,n_inner=64"
+SMOKE_OVERRIDES = "n_embd=16,n_layer=1,n_head=2,n_inner=32"
+SMOKE_SAMPLERS = ("full", "uniform", "midx-rq", "midx-rq-learned")
+
+
+def parse_args(argv=None):
+    p = common.base_parser(__doc__.splitlines()[0])
+    p.add_argument(
+        "--data_dir",
+        default=None,
+        help="folder with train.txt, valid.txt, test.txt (default ../shared/data/wikitext-2 beside the repository)",
+    )
+    p.add_argument(
+        "--samplers",
+        nargs="+",
+        default=list(DEFAULT_SAMPLERS),
+        help="'full', any hf_midx sampler, or 'midx-rq-learned' (midx-rq with --codebooks learned)",
+    )
+    p.add_argument("--epochs", type=float, default=1.0, help="epochs of the equal-epochs comparison")
+    p.add_argument("--num_samples", type=int, default=20)
+    p.add_argument("--codebook_size", type=int, default=32)
+    p.add_argument("--batch_size", type=int, default=None, help="per-device train batch (default 32; quick 8)")
+    p.add_argument("--evals_per_run", type=int, default=None, help="validation points per run (default 4; quick 2)")
+    p.add_argument(
+        "--refreshes_per_epoch",
+        type=int,
+        default=None,
+        help="rebuild adaptive samplers this many times per epoch (--refresh_every_steps; default 10, "
+        "quick 2; 0: only the recipe's per-epoch refresh, which never happens in a 1-epoch run)",
+    )
+    p.add_argument("--wall_clock", default="on", choices=["on", "off"], help="also run the equal-wall-clock comparison")
+    p.add_argument(
+        "--wall_clock_budget_s",
+        type=float,
+        default=None,
+        help="training-time budget of the equal-wall-clock runs (default: what full needed)",
+    )
+    p.add_argument(
+        "--launcher",
+        default=None,
+        choices=["subprocess", "inprocess"],
+        help="run the recipe in a fresh process per run (default) or import it (default with --quick)",
+    )
+    p.add_argument(
+        "--recipe_args",
+        default="",
+        help='extra flags for recipes/wikitext2.py, e.g. "--config_overrides n_layer=4 --learning_rate 5e-4"',
+    )
+    p.add_argument("--keep_models", action="store_true", help=f"keep every run's weights (default: only {KEEP_MODELS})")
+    return common.parse(p, argv)
+
+
+# ---------------------------------------------------------------------------- running the recipe
+def recipe_argv(
+    args, files, out_dir: Path, sampler: str, *, epochs=None, max_steps=None, every=1, refresh_every=0
+) -> list[str]:
+    name, extra = ("midx-rq", ["--codebooks", "learned"]) if sampler == "midx-rq-learned" else (sampler, [])
+    argv = ["--train_file", str(files["train"]), "--validation_file", str(files["validation"])]
+    if "test" in files:
+        argv += ["--test_file", str(files["test"])]
+    argv += [
+        "--output_dir",
+        str(out_dir),
+        "--sampler",
+        name,
+        *extra,
+        "--num_samples",
+        str(args.num_samples),
+        "--codebook_size",
+        str(args.codebook_size),
+        "--per_device_train_batch_size",
+        str(args.batch_size),
+        "--seed",
+        str(args.seed),
+        "--disable_tqdm",
+        "true",
+        "--save_strategy",
+        "no",
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        str(every),
+        "--logging_steps",
+        str(every),
+        "--refresh_every_steps",
+        str(refresh_every),
+    ]
+    argv += ["--num_train_epochs", str(epochs)] if epochs is not None else ["--max_steps", str(max_steps)]
+    if args.quick:
+        train, evals = (16, 4) if args.smoke else (64, 16)
+        argv += [
+            "--config_overrides",
+            SMOKE_OVERRIDES if args.smoke else QUICK_OVERRIDES,
+            "--seq_len",
+            "20",
+            "--max_train_samples",
+            str(train),
+            "--max_eval_samples",
+            str(evals),
+            "--per_device_eval_batch_size",
+            "16",
+            "--logging_first_step",
+            "false",
+        ]
+    return argv + shlex.split(args.recipe_args)
+
+
+def run_recipe(argv: list[str], out_dir: Path, launcher: str) -> dict:
+    """One recipe run; returns its results.json, log history, wall time and error (None when it worked)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stale = out_dir / "results.json"
+    if stale.exists():
+        stale.unlink()
+    print(f"\n$ wikitext2.py {' '.join(shlex.quote(a) for a in argv)}", flush=True)
+    error = None
+    t0 = time.perf_counter()
+    if launcher == "subprocess":
+        with open(out_dir / "recipe.log", "w") as log:
+            proc = subprocess.run(
+                [sys.executable, str(common.RECIPES_DIR / "wikitext2.py"), *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=common.REPO_ROOT,
+            )
+        if proc.returncode != 0:
+            tail = (out_dir / "recipe.log").read_text().strip().splitlines()[-1:] or [""]
+            error = f"exit status {proc.returncode}: {tail[0][:200]} (log: {out_dir / 'recipe.log'})"
+    else:
+        try:
+            common.import_recipe("wikitext2").main(argv)
+        except SystemExit as err:
+            error = f"exit {err.code}"
+        except Exception as err:  # noqa: BLE001 - one sampler failing must not stop the comparison
+            error = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+    wall = time.perf_counter() - t0
+    results = json.loads(stale.read_text()) if stale.exists() else None
+    state = out_dir / "trainer_state.json"
+    history = json.loads(state.read_text()).get("log_history", []) if state.exists() else []
+    if results is None and error is None:
+        error = "no results.json written"
+    if error:
+        print(f"   failed: {error}")
+    return {"results": results, "history": history, "wall_s": wall, "error": error}
+
+
+def training_curve(history: list[dict], results: dict | None) -> tuple[list[dict], float | None]:
+    """Validation points with training time (evaluation time subtracted), and the run's training time.
+
+    The Trainer logs the elapsed ``train_runtime`` in every training log entry; with logging_steps =
+    eval_steps the entry just before each evaluation gives its time.
+    """
+    points, eval_time, runtime_at, train_time = [], 0.0, {}, None
+    for e in history:
+        if "train_loss" in e and "train_runtime" in e:  # the end-of-training summary
+            train_time = float(e["train_runtime"]) - eval_time
+            continue
+        if "train_runtime" in e:
+            runtime_at[e.get("step")] = float(e["train_runtime"])
+        if "eval_loss" in e:
+            t = runtime_at.get(e.get("step"))
+            if train_time is None:
+                points.append(
+                    {
+                        "step": e.get("step"),
+                        "epoch": e.get("epoch"),
+                        "valid_loss": float(e["eval_loss"]),
+                        "valid_perplexity": _ppl(float(e["eval_loss"])),
+                        "train_time_s": None if t is None else t - eval_time,
+                    }
+                )
+                eval_time += float(e.get("eval_runtime", 0.0))
+    if results is not None:
+        step = results.get("global_step")
+        if not points or points[-1]["step"] != step:
+            points.append(
+                {
+                    "step": step,
+                    "epoch": results.get("epoch"),
+                    "valid_loss": results["valid_loss"],
+                    "valid_perplexity": results["valid_perplexity"],
+                    "train_time_s": train_time,
+                }
+            )
+        # An evaluation without a training log at its step (e.g. the Trainer's final one): interpolate in steps.
+        known = [(0, 0.0)] + [(p["step"], p["train_time_s"]) for p in points if p["train_time_s"] is not None]
+        if train_time is not None:
+            known.append((step, train_time))
+        known.sort()
+        for p in points:
+            if p["train_time_s"] is None and p["step"] is not None:
+                lo = max((k for k in known if k[0] <= p["step"]), default=None)
+                hi = min((k for k in known if k[0] >= p["step"]), default=None)
+                if lo and hi:
+                    frac = 0.0 if hi[0] == lo[0] else (p["step"] - lo[0]) / (hi[0] - lo[0])
+                    p["train_time_s"] = lo[1] + frac * (hi[1] - lo[1])
+                    p["time_interpolated"] = True
+    return points, train_time
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def summarize(run: dict) -> dict:
+    res = run["results"]
+    curve, train_time = training_curve(run["history"], res)
+    out = {"error": run["error"], "wall_s": run["wall_s"], "curve": curve, "train_time_s": train_time}
+    if res:
+        out.update(
+            {
+                k: res.get(k)
+                for k in (
+                    "test_perplexity",
+                    "valid_perplexity",
+                    "test_loss",
+                    "valid_loss",
+                    "global_step",
+                    "epoch",
+                    "tokens_per_second",
+                    "train_runtime_s",
+                )
+            }
+        )
+        out["data"] = res.get("data")
+        if train_time and res.get("global_step"):
+            out["seconds_per_step"] = train_time / res["global_step"]
+    return out
+
+
+# ---------------------------------------------------------------------------- main
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.device == "cuda":
+        print("compare_samplers runs the recipe, which picks its device itself (the Trainer uses a GPU when present).")
+    q = args.quick
+    if args.smoke and tuple(args.samplers) == DEFAULT_SAMPLERS:
+        args.samplers = list(SMOKE_SAMPLERS)
+    args.batch_size = args.batch_size or (4 if args.smoke else 8 if q else 32)
+    args.evals_per_run = args.evals_per_run or (1 if args.smoke else 2 if q else 4)
+    if args.refreshes_per_epoch is None:
+        args.refreshes_per_epoch = 1 if args.smoke else 2 if q else 10
+    launcher = args.launcher or ("inprocess" if q else "subprocess")
+    files = common.data_files(args.data_dir) if (args.data_dir or not q) else None
+    data_note = None
+    if files is None and q:
+        files = {
+            "train": common.SAMPLE_DATA_DIR / "train.txt",
+            "validation": common.SAMPLE_DATA_DIR / "valid.txt",
+            "test": common.SAMPLE_DATA_DIR / "test.txt",
+        }
+        data_note = f"--quick without --data_dir: the small WikiText-2 sample in {common.SAMPLE_DATA_DIR}"
+    elif files is None:
+        files = {
+            "train": common.SAMPLE_DATA_DIR / "train.txt",
+            "validation": common.SAMPLE_DATA_DIR / "valid.txt",
+            "test": common.SAMPLE_DATA_DIR / "test.txt",
+        }
+        data_note = (
+            f"WikiText-2 not found at {common.DEFAULT_DATA_DIR}: the small sample in {common.SAMPLE_DATA_DIR} "
+            "was used (not comparable with the paper)"
+        )
+        print(data_note)
+    unknown = [s for s in args.samplers if s not in ("full", "midx-rq-learned") and s not in _sampler_names()]
+    if unknown:
+        raise SystemExit(
+            f"unknown sampler(s) {unknown}; choose from full, midx-rq-learned, {', '.join(_sampler_names())}."
+        )
+    out = Path(args.out)
+    import torch  # noqa: PLC0415
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    env = common.environment(device)
+    train_tokens = sum(
+        len(line.split()) + 1 for line in Path(files["train"]).read_text(encoding="utf-8").split("\n")[:-1]
+    )
+    settings = {
+        "data": {k: str(v) for k, v in files.items()},
+        "data_note": data_note,
+        "train_tokens": train_tokens,
+        "samplers": args.samplers,
+        "epochs": args.epochs,
+        "num_samples": args.num_samples,
+        "codebook_size": args.codebook_size,
+        "batch_size": args.batch_size,
+        "evals_per_run": args.evals_per_run,
+        "wall_clock": args.wall_clock,
+        "wall_clock_budget_s": args.wall_clock_budget_s,
+        "launcher": launcher,
+        "refreshes_per_epoch": args.refreshes_per_epoch,
+        "recipe_args": args.recipe_args,
+        "quick": q,
+        "smoke": args.smoke,
+        "seed": args.seed,
+        "model": (SMOKE_OVERRIDES if args.smoke else QUICK_OVERRIDES)
+        if q
+        else "the paper's: GPT-2 architecture, 2 layers, 4 heads, d 200, ff 1024",
+    }
+
+    # Evaluation frequency from the steps of one epoch (blocks of seq_len + 1 tokens, stride seq_len).
+    seq_len = 20 if q else 50
+    blocks = max(1, (train_tokens - 1) // seq_len)
+    if q:
+        blocks = min(blocks, 16 if args.smoke else 64)
+    steps_per_epoch = math.ceil(blocks / args.batch_size)
+    steps_equal_epochs = max(1, steps_per_epoch * args.epochs)
+    every = max(1, int(steps_equal_epochs // args.evals_per_run))
+    refresh_every = max(1, steps_per_epoch // args.refreshes_per_epoch) if args.refreshes_per_epoch > 0 else 0
+    settings["refresh_every_steps"] = refresh_every
+    common.print_header(NAME, env, settings)
+
+    equal_epochs, wall = {}, {}
+    order = ["full"] + [s for s in args.samplers if s != "full"] if "full" in args.samplers else list(args.samplers)
+    for sampler in order:
+        run_dir = out / sampler
+        argv = recipe_argv(args, files, run_dir, sampler, epochs=args.epochs, every=every, refresh_every=refresh_every)
+        run = run_recipe(argv, run_dir, launcher)
+        equal_epochs[sampler] = summarize(run)
+        _prune(run_dir, sampler, args.keep_models)
+        _print_run(sampler, equal_epochs[sampler])
+
+    budget = args.wall_clock_budget_s
+    if budget is None and "full" in equal_epochs:
+        budget = equal_epochs["full"].get("train_time_s")
+    if args.wall_clock == "on" and budget:
+        for sampler in order:
+            if sampler == "full" and args.wall_clock_budget_s is None:
+                wall[sampler] = {**equal_epochs["full"], "same_as_equal_epochs": True}
+                continue
+            per_step = equal_epochs[sampler].get("seconds_per_step")
+            if not per_step:
+                wall[sampler] = {"error": "no step time from the equal-epochs run"}
+                continue
+            steps = max(1, round(budget / per_step))
+            run_dir = out / f"{sampler}-wallclock"
+            argv = recipe_argv(
+                args,
+                files,
+                run_dir,
+                sampler,
+                max_steps=steps,
+                every=max(1, steps // args.evals_per_run),
+                refresh_every=refresh_every,
+            )
+            wall[sampler] = {**summarize(run_recipe(argv, run_dir, launcher)), "max_steps": steps}
+            _prune(run_dir, sampler + "-wallclock", args.keep_models)
+            _print_run(sampler + " (wall clock)", wall[sampler])
+    elif args.wall_clock == "on":
+        print("equal wall-clock skipped: no budget (run 'full' or pass --wall_clock_budget_s).")
+
+    payload = {
+        "benchmark": NAME,
+        "settings": settings,
+        "environment": env,
+        "wall_clock_budget_s": budget,
+        "equal_epochs": equal_epochs,
+        "equal_wall_clock": wall,
+        "paper_test_perplexity": PAPER_PPL,
+        "rows": _rows(env, equal_epochs, wall),
+    }
+    md = render_markdown(env, settings, equal_epochs, wall, budget, order)
+    common.write_outputs(out, NAME, payload, md)
+    if not args.no_plots:
+        plot(out, equal_epochs, wall, order, budget)
+    print(md)
+    return payload
+
+
+def _sampler_names():
+    import hf_midx  # noqa: PLC0415
+
+    return sorted(hf_midx.SAMPLERS)
+
+
+def _prune(run_dir: Path, label: str, keep: bool) -> None:
+    if keep or label in KEEP_MODELS:
+        return
+    for f in run_dir.glob("*.safetensors"):
+        f.unlink()
+    for d in run_dir.glob("checkpoint-*"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _print_run(label: str, s: dict) -> None:
+    if s.get("error"):
+        print(f"{label}: failed ({s['error']})")
+        return
+    print(
+        f"{label}: test ppl {_f(s.get('test_perplexity'))}, valid ppl {_f(s.get('valid_perplexity'))}, "
+        f"{s.get('global_step')} steps, training {_f(s.get('train_time_s'), 0)} s",
+        flush=True,
+    )
+
+
+def _f(x, digits: int = 1) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _rows(env, equal_epochs, wall):
+    rows = []
+    for setting, runs in (("equal_epochs", equal_epochs), ("equal_wall_clock", wall)):
+        for sampler, s in runs.items():
+            if s.get("test_perplexity") is not None:
+                rows.append(
+                    common.row(
+                        env,
+                        op="wikitext2_lm",
+                        provider=sampler,
+                        metric="test_perplexity",
+                        unit="ppl",
+                        x_name="setting",
+                        x_value=setting,
+                        value=s["test_perplexity"],
+                        train_time_s=s.get("train_time_s"),
+                        steps=s.get("global_step"),
+                    )
+                )
+    return rows
+
+
+def render_markdown(env, settings, equal_epochs, wall, budget, order):
+    parts = [common.header_markdown("Samplers on WikiText-2 (the paper's LM table)", env, settings), ""]
+    if settings["data_note"]:
+        parts.append(f"**Data:** {settings['data_note']}.\n")
+    parts.append(
+        f"Exact (full-softmax) perplexity. Equal epochs: {settings['epochs']:g} epoch(s) each. Equal wall-clock: "
+        f"every sampler trains for {_f(budget, 0)} s, what `full` needed (training time without evaluation). "
+        "The paper trained 100 epochs with early stopping: compare the ordering, not the values.\n"
+    )
+    table = []
+    for s in order:
+        e, w = equal_epochs.get(s, {}), wall.get(s, {})
+        table.append(
+            {
+                "sampler": s,
+                "paper": _f(PAPER_PPL.get(s)),
+                "test_e": e.get("error") and "failed" or _f(e.get("test_perplexity")),
+                "valid_e": _f(e.get("valid_perplexity")),
+                "time_e": _f(e.get("train_time_s"), 0),
+                "tps": _f(e.get("tokens_per_second"), 0),
+                "test_w": (w.get("error") and "failed") or _f(w.get("test_perplexity")),
+                "steps_w": "-"
+                if not w or w.get("global_step") is None
+                else f"{w['global_step']} ({_f(w.get('epoch'), 2)} ep)",
+                "time_w": _f(w.get("train_time_s"), 0),
+            }
+        )
+    parts.append(
+        common.markdown_table(
+            table,
+            [
+                ("sampler", "sampler"),
+                ("paper test ppl", "paper"),
+                ("test ppl, equal epochs", "test_e"),
+                ("valid ppl", "valid_e"),
+                ("training s", "time_e"),
+                ("tokens/s", "tps"),
+                ("test ppl, equal wall-clock", "test_w"),
+                ("steps (epochs)", "steps_w"),
+                ("training s ", "time_w"),
+            ],
+        )
+    )
+    errors = [(s, r["error"]) for runs in (equal_epochs, wall) for s, r in runs.items() if r.get("error")]
+    if errors:
+        parts.append("\nFailed runs:\n")
+        parts.extend(f"- {s}: {e}" for s, e in errors)
+    return "\n".join(parts)
+
+
+def plot(out_dir, equal_epochs, wall, order, budget):
+    plt = common.pyplot()
+    panels = [("equal epochs", equal_epochs)] + ([("equal wall-clock", wall)] if wall else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, (title, runs) in zip(axes[0], panels):
+        for s in order:
+            pts = [
+                (p["train_time_s"], p["valid_perplexity"])
+                for p in runs.get(s, {}).get("curve", [])
+                if p["train_time_s"] is not None and math.isfinite(p["valid_perplexity"])
+            ]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(
+                    xs,
+                    ys,
+                    marker="o",
+                    linewidth=2.5 if s == "full" else 1.3,
+                    color="black" if s == "full" else None,
+                    label=s,
+                )
+        if budget and title == "equal wall-clock":
+            ax.axvline(budget, color="grey", linestyle=":", linewidth=1)
+        ax.set_yscale("log")
+        ax.set_xlabel("training time (s, evaluation excluded)")
+        ax.set_ylabel("validation perplexity (exact)")
+        ax.set_title(f"WikiText-2, {title}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    common.save_figure(fig, out_dir, f"{NAME}_valid_ppl.png")
+
+
+if __name__ == "__main__":
+    main()

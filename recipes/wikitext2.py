@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+"""Train a word-level language model on WikiText-2 with the MIDX sampled softmax, or the full softmax.
+
+    python recipes/wikitext2.py --output_dir runs/wikitext2
+    accelerate launch recipes/wikitext2.py --output_dir runs/wikitext2-full --sampler full
+
+Defaults follow the paper's WikiText-2 transformer: a GPT-2-architecture decoder with 2 layers, 4 heads,
+embeddings 200, feed-forward 1024, tied embeddings, 50 predicted tokens per block; MIDX-rq with 20
+negatives per token and 32 codewords per codebook. Data: WikiText-2 from the Hugging Face Hub
+(``Salesforce/wikitext``, ``wikitext-2-v1``), or local files with --train_file/--validation_file
+[--test_file]; when the Hub cannot be reached and no file is given, a small sample shipped in
+recipes/data/wikitext2_sample (one line says so). The tokenizer is word level, built from the training
+split (33,278 entries on WikiText-2). See lm_data.py for the blocking and lm_recipe.py for what is
+written to --output_dir. Every TrainingArguments flag works.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lm_data import TokenBlocks, build_word_level_tokenizer, encode_lines, read_lines, token_counts
+from lm_recipe import (
+    ModelArguments,
+    PreparedData,
+    RecipeError,
+    check_blocks,
+    check_model_arguments,
+    check_output_and_resume,
+    check_push,
+    hub_unreachable,
+    logger,
+    midx_arguments,
+    midx_config_from,
+    parse_arguments,
+    recipe_training_defaults,
+    run,
+    setup_logging,
+    train_and_report,
+)
+
+SAMPLE_DIR = Path(__file__).resolve().parent / "data" / "wikitext2_sample"
+HUB_DATASET, HUB_CONFIG = "Salesforce/wikitext", "wikitext-2-v1"
+SPLITS = ("train", "validation", "test")
+#: The paper's language-model settings (20 negatives, 32 codewords per codebook); other fields keep MidxConfig's.
+MIDX_DEFAULTS = {"num_samples": 20, "codebook_size": 32, "refresh_every_steps": 100}
+
+
+@dataclass
+class DataArguments:
+    """Where the text comes from and how it is cut into blocks."""
+
+    dataset_name: str = field(default=HUB_DATASET, metadata={"help": "Dataset on the Hugging Face Hub."})
+    dataset_config_name: str = field(default=HUB_CONFIG, metadata={"help": "Its configuration."})
+    train_file: str | None = field(
+        default=None, metadata={"help": "Local training text (one paragraph per line) instead of the Hub dataset."}
+    )
+    validation_file: str | None = field(
+        default=None, metadata={"help": "Local validation text (needed with --train_file)."}
+    )
+    test_file: str | None = field(default=None, metadata={"help": "Local test text (optional)."})
+    seq_len: int = field(
+        default=50,
+        metadata={
+            "help": "Tokens predicted per block; blocks hold seq_len + 1 tokens and overlap by one (the paper: 50)."
+        },
+    )
+    tokenizer_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Use this tokenizer (Hub id or directory) instead of building the word-level one from the training "
+            "split. Default with --model_name_or_path: that model's tokenizer."
+        },
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training blocks."})
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Keep only the first N validation and test blocks (perplexity over those)."}
+    )
+
+
+def load_splits(data_args: DataArguments, is_main: bool) -> tuple[dict[str, list[str]], str, dict]:
+    """The lines of each split, a description of the source, and model-card keyword arguments."""
+    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
+    if any(files.values()):
+        if not files["train"] or not files["validation"]:
+            raise RecipeError("local data needs both --train_file and --validation_file (--test_file is optional).")
+        splits = {name: read_lines(path, what=f"--{name}_file") for name, path in files.items() if path}
+        card = {"dataset": Path(files["train"]).name, "tags": ["word-level"]}
+        return splits, "local files " + ", ".join(f"{k}={v}" for k, v in files.items() if v), card
+
+    reason = hub_unreachable()
+    if reason is None:
+        try:
+            import datasets
+
+            raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
+            splits = {name: [t.rstrip("\n") for t in raw[name]["text"]] for name in SPLITS if name in raw}
+            if "train" not in splits or "validation" not in splits:
+                raise RecipeError(f"{data_args.dataset_name} has no train and validation splits.")
+            card = {
+                "dataset_tags": data_args.dataset_name,
+                "dataset": "WikiText-2" if data_args.dataset_name == HUB_DATASET else data_args.dataset_name,
+                "dataset_args": data_args.dataset_config_name,
+                "tags": ["wikitext-2", "word-level"],
+            }
+            return splits, f"{data_args.dataset_name} ({data_args.dataset_config_name}) from the Hub", card
+        except RecipeError:
+            raise
+        except Exception as err:  # offline, unreachable, not cached, ...
+            reason = f"{type(err).__name__}: {err}"
+    if (data_args.dataset_name, data_args.dataset_config_name) != (HUB_DATASET, HUB_CONFIG):
+        raise RecipeError(f"cannot load {data_args.dataset_name} ({data_args.dataset_config_name}): {reason}")
+    sample = {"train": "train.txt", "validation": "valid.txt", "test": "test.txt"}
+    splits = {name: read_lines(SAMPLE_DIR / file, what="shipped sample file") for name, file in sample.items()}
+    if is_main:
+        logger.warning(
+            "Could not load %s (%s) from the Hugging Face Hub (%s); training on the small WikiText-2 sample shipped in "
+            "%s instead (%s lines; not comparable with published results).",
+            HUB_DATASET,
+            HUB_CONFIG,
+            " ".join(reason.split())[:200],
+            SAMPLE_DIR,
+            "/".join(str(len(lines)) for lines in splits.values()),
+        )
+    card = {"dataset": "WikiText-2 (sample shipped with hf-midx)", "tags": ["wikitext-2", "word-level"]}
+    return splits, f"the WikiText-2 sample in {SAMPLE_DIR} (Hub unreachable)", card
+
+
+def load_tokenizer(data_args: DataArguments, model_args: ModelArguments, train_lines: Sequence[str]):
+    """The given tokenizer (--tokenizer_name, else --model_name_or_path's), or a new word-level one."""
+    source = data_args.tokenizer_name or model_args.model_name_or_path
+    if not source:
+        return build_word_level_tokenizer(train_lines)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise RecipeError(f"cannot load a tokenizer from {source!r}: {' '.join(str(err).split())}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    started = time.perf_counter()
+    MidxArguments = midx_arguments(**MIDX_DEFAULTS)
+    model_args, data_args, midx_args, training_args = parse_arguments(
+        [ModelArguments, DataArguments, MidxArguments], recipe_training_defaults("runs/wikitext2"), argv, doc=__doc__
+    )
+    setup_logging(training_args)
+    check_model_arguments(model_args)
+    if data_args.seq_len < 1:
+        raise RecipeError(f"--seq_len must be >= 1, got {data_args.seq_len}.")
+    for name in ("max_train_samples", "max_eval_samples"):
+        value = getattr(data_args, name)
+        if value is not None and value < 1:
+            raise RecipeError(f"--{name} must be >= 1, got {value}.")
+    midx_config = midx_config_from(midx_args, training_args.seed)
+    resume = check_output_and_resume(training_args)
+    check_push(training_args)
+
+    with training_args.main_process_first(desc="loading the data"):
+        splits, description, card = load_splits(data_args, is_main=training_args.process_index == 0)
+    tokenizer = load_tokenizer(data_args, model_args, splits["train"])
+    seq_len = data_args.seq_len
+    blocks = {}
+    streams = {}
+    for name, lines in splits.items():
+        stream = streams[name] = encode_lines(tokenizer, lines)
+        limit = data_args.max_train_samples if name == "train" else data_args.max_eval_samples
+        blocks[name] = TokenBlocks.from_stream(stream, seq_len, limit=limit)
+        check_blocks(name, blocks[name], stream.numel())
+    vocab_size = len(tokenizer)
+    data = PreparedData(
+        train=blocks["train"],
+        valid=blocks["validation"],
+        test=blocks.get("test"),
+        vocab_size=vocab_size,
+        class_counts=token_counts(streams["train"], vocab_size),
+        tokenizer=tokenizer,
+        eos_token_id=tokenizer.eos_token_id,
+        description=description,
+        card=card,
+    )
+    return train_and_report(
+        "wikitext2",
+        model_args,
+        midx_config,
+        training_args,
+        data,
+        seq_len=seq_len,
+        resume=resume,
+        started=started,
+        argv=argv,
+    )
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,168 @@
+"""The benchmark scripts (recipes/benchmarks/*.py) run end to end and write what they promise.
+
+Each script runs once, in a subprocess, at its ``--smoke`` level (tiny sizes: the numbers mean
+nothing) and the test checks the JSON (settings, environment, results), the Markdown table and the
+PNG plots. No timing is asserted. ``compare_samplers`` trains on a tiny synthetic text written here,
+so nothing depends on the shared WikiText-2 copy or the network.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _env import offline_env
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "recipes" / "benchmarks"
+
+ENV_KEYS = {"device", "device_type", "torch", "transformers", "hf_midx", "git", "timestamp"}
+ROW_KEYS = {
+    "op",
+    "provider",
+    "metric",
+    "unit",
+    "x_name",
+    "x_value",
+    "y_p50",
+    "device",
+    "hf_midx_version",
+    "torch_version",
+    "git_commit",
+}
+
+
+def run_bench(name: str, out: Path, *args: str) -> dict:
+    env = offline_env(
+        OMP_NUM_THREADS="1",  # tiny ops: one thread avoids oversubscribing a small shared runner
+        MPLBACKEND="Agg",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / f"{name}.py"), "--out", str(out), "--smoke", "--device", "cpu", *args],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert f"== {name} ==" in proc.stdout and "device" in proc.stdout  # the header is printed
+    payload = json.loads((out / f"{name}.json").read_text())
+    assert payload["benchmark"] == name
+    assert ENV_KEYS <= set(payload["environment"]), payload["environment"].keys()
+    assert payload["environment"]["git"]["commit"]  # the repository's HEAD
+    assert payload["settings"]["smoke"] is True and payload["settings"]["quick"] is True
+    md = (out / f"{name}.md").read_text()
+    assert md.startswith("# ") and "| --- |" in md and "device:" in md
+    return payload
+
+
+def check_rows(payload: dict) -> None:
+    assert payload["rows"], "no result rows"
+    for row in payload["rows"]:
+        assert ROW_KEYS <= set(row), set(ROW_KEYS) - set(row)
+
+
+def assert_pngs(out: Path, *names: str) -> None:
+    for n in names:
+        path = out / n
+        assert path.is_file(), f"missing plot {n}; have {sorted(p.name for p in out.iterdir())}"
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_head(tmp_path):
+    p = run_bench("bench_head", tmp_path)
+    check_rows(p)
+    cases = {r["case"] for r in p["results"]}
+    assert {
+        "hf",
+        "torch-chunked",
+        "midx-rq/per-query",
+        "midx-rq/shared",
+        "midx-pq/per-query",
+        "midx-pq/shared",
+        "uniform/per-query",
+        "unigram/shared",
+    } <= cases
+    for r in p["results"]:
+        assert "skipped" in r or {"ms", "peak_bytes", "speedup_vs_hf", "memory_ratio_vs_hf"} <= set(r)
+        if r["case"].startswith("midx") and "ms" in r:
+            st = p["settings"]
+            n = st["num_samples"] if r["case"].endswith("per-query") else st["pool_size"]
+            assert r["flop_ratio"] == pytest.approx((n + 2 * st["codebook_size"]) / r["V"])  # the ideal (M + 2K) / V
+            assert "sampling_ms" in r
+    assert {b["sampler"] for b in p["index_build"]} == {"midx-rq", "midx-pq"}
+    assert {t["status"] for t in p["targets"]} <= {"met", "missed", "not measured"}
+    assert_pngs(tmp_path, "bench_head_D64.png")
+
+
+def test_bench_sampling(tmp_path):
+    p = run_bench("bench_sampling", tmp_path)
+    check_rows(p)
+    import hf_midx
+
+    measured = {r["sampler"] for r in p["results"] if "ms" in r}
+    assert measured == set(hf_midx.SAMPLERS)
+    # the exhaustive baselines are capped in V, and say so
+    assert any("skipped" in r and r["sampler"] in ("sphere", "rff", "midx-exact") for r in p["results"])
+    flat = {(f["sampler"], f["T"]) for f in p["summary"]["flatness"]}
+    assert ("midx-rq", 64) in flat and ("midx-pq", 64) in flat
+    assert {(b["quantizer"], b["backend"]) for b in p["builds"] if b["sampler"].startswith("index-")} >= {
+        ("rq", "torch"),
+        ("pq", "torch"),
+    }
+    assert "per_1000_queries" in p["summary"]
+    assert_pngs(tmp_path, "bench_sampling_time.png", "bench_sampling_build.png")
+
+
+def test_bench_kl(tmp_path):
+    p = run_bench("bench_kl", tmp_path)
+    check_rows(p)
+    assert [s["label"] for s in p["sources"]] == ["trained", "random"]
+    assert p["settings"]["source"] == "synthetic"  # no --model_dir, and quick does not train
+    for s in p["sources"]:
+        by = {(r["sampler"], r["K"], r.get("codebooks")) for r in s["results"]}
+        assert ("midx-rq", 8, "kmeans") in by and ("midx-rq", 16, "learned") in by and ("uniform", None, None) in by
+        for r in s["results"]:
+            assert {"kl_qp", "kl_pq", "grad_bias_hidden", "grad_se_hidden", "grad_bias_weight"} <= set(r)
+        exact = [r["kl_qp"] for r in s["results"] if r["sampler"] == "midx-exact"]
+        assert exact and max(abs(x) for x in exact) < 1e-3  # Theorem 1: the exact sampler is the softmax
+    assert_pngs(tmp_path, "bench_kl_cumulative_trained.png", "bench_kl_cumulative_random.png", "bench_kl_vs_K.png")
+
+
+def test_compare_samplers(tmp_path):
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(300)]
+    zipf = [1.0 / (i + 1) for i in range(len(words))]
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, lines in (("train", 400), ("valid", 60), ("test", 60)):
+        text = "\n".join(" ".join(rng.choices(words, zipf, k=rng.randint(3, 15))) for _ in range(lines))
+        (data / f"{split}.txt").write_text(text + "\n")
+    out = tmp_path / "out"
+    p = run_bench("compare_samplers", out, "--data_dir", str(data))
+    check_rows(p)
+    samplers = p["settings"]["samplers"]
+    assert samplers[0] == "full" and "midx-rq" in samplers and "midx-rq-learned" in samplers
+    for s in samplers:
+        run = p["equal_epochs"][s]
+        assert run["error"] is None, run["error"]
+        assert run["test_perplexity"] > 1 and run["curve"] and run["train_time_s"] is not None
+        assert (out / s / "results.json").is_file()
+        wall = p["equal_wall_clock"][s]
+        assert wall.get("error") is None and wall["test_perplexity"] > 1
+    assert p["wall_clock_budget_s"] == pytest.approx(p["equal_epochs"]["full"]["train_time_s"])
+    assert p["paper_test_perplexity"]["midx-rq"] == pytest.approx(180.9055)
+    md = (out / "compare_samplers.md").read_text()
+    assert "180.8" in md and "equal wall-clock" in md
+    assert_pngs(out, "compare_samplers_valid_ppl.png")
+
+
+def test_bench_e2e(tmp_path):
+    p = run_bench("bench_e2e", tmp_path)
+    check_rows(p)
+    cases = {r["case"] for r in p["results"] if "tokens_per_s" in r}
+    assert cases == {"hf-full", "exact-chunked", "midx-rq", "midx-rq-shared", "uniform"}
+    for r in p["results"]:
+        assert r["tokens_per_s"] > 0 and r["peak_bytes"] >= 0 and "speedup_vs_hf" in r
+    assert_pngs(tmp_path, "bench_e2e.png")

@@ -1,0 +1,236 @@
+"""README.md: every command in it runs, its Python usage runs, and the facts it quotes match the code.
+
+The fenced ``bash`` blocks are parsed; the test command (after ``<!-- test-command -->``) is only
+checked for its exact text, since CI runs it. Every other command must be a recipe command; it is run
+offline (on the shipped WikiText-2 sample), with its ``--max_steps`` divided by 100 (at least 1), runs
+under ``runs/`` moved to a temporary folder, local data files replaced by text made here, evaluation
+cut to a few blocks, ``--vocab_size`` capped at 5,000 and, for ``accelerate launch --multi_gpu``
+without enough GPUs, ``--use_cpu`` (several CPU processes). A ``pip install -e .`` before ``&&`` is not
+re-run: the package is already installed where the tests run.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import re
+import shlex
+import subprocess
+import sys
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from _env import offline_env
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+sys.path.insert(0, str(REPO / "recipes"))
+
+TEST_COMMAND = 'pip install -e ".[dev]" && python -m pytest -q tests'
+INSTALL = ["pip", "install", "-e", "."]
+SCRIPTS = {"recipes/wikitext2.py", "recipes/large_vocab.py"}
+QUICK = {
+    "recipes/wikitext2.py": ["--max_eval_samples", "8"],
+    "recipes/large_vocab.py": ["--train_tokens", "2000", "--eval_tokens", "400"],
+}
+
+
+def fenced_blocks(text: str, language: str) -> list[str]:
+    return [m.group(2) for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S) if m.group(1) == language]
+
+
+def bash_commands(text: str) -> list[str]:
+    commands = []
+    for block in fenced_blocks(text, "bash"):
+        joined = block.replace("\\\n", " ")
+        commands += [line.strip() for line in joined.splitlines() if line.strip() and not line.strip().startswith("#")]
+    return commands
+
+
+def readme() -> str:
+    return README.read_text(encoding="utf-8")
+
+
+def test_the_test_command_follows_its_marker_on_one_line():
+    after = readme().split("<!-- test-command -->", 1)
+    assert len(after) == 2, "the <!-- test-command --> marker is gone"
+    match = re.match(r"\s*```bash\n(.*?)```", after[1], re.S)
+    assert match, "the marker must be followed by a ```bash block"
+    assert match.group(1).strip().splitlines() == [TEST_COMMAND]
+
+
+# ---------------------------------------------------------------------- the recipe commands
+def write_text_files(directory: Path) -> dict[str, Path]:
+    import random
+
+    rng = random.Random(1)
+    words = [f"w{i}" for i in range(150)]
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name, lines in (("train", 300), ("valid", 60), ("test", 60)):
+        text = "\n".join(" " + " ".join(rng.choices(words, k=rng.randint(0, 15))) + " " for _ in range(lines)) + "\n"
+        files[name] = directory / f"{name}.txt"
+        files[name].write_text(text, encoding="utf-8")
+    return files
+
+
+def plan(command: str, tmp: Path, files: dict[str, Path]) -> tuple[list[str], str, str]:
+    """(argv, output_dir, script) for one README command; fails for a command this test does not cover."""
+    parts = [shlex.split(part) for part in command.split("&&")]
+    runs = [p for p in parts if p != INSTALL]
+    assert len(runs) == 1, f"README command not covered by tests/test_readme.py: {command!r}"
+    tokens = runs[0]
+    if tokens[0] == "python":
+        launcher, rest = [sys.executable], tokens[1:]
+    elif tokens[:2] == ["accelerate", "launch"]:
+        launcher, rest = [sys.executable, "-m", "accelerate.commands.launch"], tokens[2:]
+    else:
+        raise AssertionError(f"README command not covered by tests/test_readme.py: {command!r}")
+    scripts = [t for t in rest if t in SCRIPTS]
+    assert len(scripts) == 1, f"README command runs no recipe: {command!r}"
+    at = rest.index(scripts[0])
+    launch_args, args = rest[:at], rest[at + 1 :]
+    out = None
+    new_args = []
+    i = 0
+    while i < len(args):
+        flag = args[i]
+        value = args[i + 1] if i + 1 < len(args) else None
+        if flag == "--output_dir":
+            out = str(tmp / value)
+            new_args += [flag, out]
+        elif flag == "--max_steps":
+            new_args += [flag, str(max(1, int(value) // 100))]
+        elif flag in ("--train_file", "--validation_file", "--test_file"):
+            new_args += [flag, str(files[Path(value).stem])]
+        elif flag == "--vocab_size":
+            new_args += [flag, str(min(int(value), 5000))]
+        else:
+            new_args.append(flag)
+            i += 1
+            continue
+        i += 2
+    assert out is not None, f"README command without --output_dir: {command!r}"
+    if "--multi_gpu" in launch_args:
+        processes = int(launch_args[launch_args.index("--num_processes") + 1])
+        if torch.cuda.device_count() < processes:
+            new_args.append("--use_cpu")
+    argv = [*launcher, *launch_args, str(REPO / scripts[0]), *new_args, *QUICK[scripts[0]]]
+    return argv, out, scripts[0]
+
+
+def run_group(
+    steps: list[tuple[list[str], str, str]], env: dict[str, str]
+) -> list[tuple[list[str], subprocess.CompletedProcess]]:
+    done = []
+    for argv, _, _ in steps:
+        done.append((argv, subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)))
+        if done[-1][1].returncode != 0:
+            break
+    return done
+
+
+def test_every_readme_command_runs(tmp_path):
+    commands = [c for c in bash_commands(readme()) if c != TEST_COMMAND]
+    assert commands, "README.md has no recipe command"
+    files = write_text_files(tmp_path / "text")
+    # Commands sharing an output directory run in README order (e.g. train, then resume); others concurrently.
+    groups: dict[str, list] = defaultdict(list)
+    for command in commands:
+        step = plan(command, tmp_path, files)
+        groups[step[1]].append(step)
+    env = offline_env()
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        finished = list(pool.map(lambda steps: run_group(steps, env), groups.values()))
+    for out, steps, done in zip(groups, groups.values(), finished, strict=True):
+        for argv, result in done:
+            assert result.returncode == 0, (
+                f"{shlex.join(argv)}\nexit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+            )
+        assert len(done) == len(steps)
+        results = json.loads((Path(out) / "results.json").read_text())
+        assert results["complete"] is True and results["test_perplexity"] > 1
+        max_steps = int(steps[-1][0][steps[-1][0].index("--max_steps") + 1])
+        assert results["global_step"] == max_steps  # the resume command continued to its new max_steps
+        if "--use_cpu" in steps[-1][0]:
+            assert results["world_size"] == 2
+
+
+# ---------------------------------------------------------------------- the Python usage
+def test_usage_snippet_runs(tmp_path, monkeypatch):
+    from lm_data import TokenBlocks, collate_blocks, token_counts
+    from transformers import AutoModelForCausalLM, GPT2Config, TrainingArguments
+
+    from hf_midx import MidxLMHead, MidxTrainer
+
+    snippet = next(b for b in fenced_blocks(readme(), "python") if "MidxLMHead.wrap" in b)
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=300, n_positions=17, n_embd=32, n_layer=1, n_head=2, n_inner=64, bos_token_id=1, eos_token_id=1
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    stream = torch.randint(0, 300, (3000,))
+    pushed = []
+    monkeypatch.setattr(MidxTrainer, "push_to_hub", lambda self, *a, **k: pushed.append(self))
+    namespace = {
+        "model": model,
+        "counts": token_counts(stream, 300),
+        "args": TrainingArguments(
+            output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, report_to="none", use_cpu=True
+        ),
+        "train": TokenBlocks.from_stream(stream[:2500], 16),
+        "valid": TokenBlocks.from_stream(stream[2500:], 16),
+        "collator": collate_blocks,
+    }
+    exec(compile(snippet, str(README), "exec"), namespace)
+    assert MidxLMHead.find(model) is not None
+    assert len(pushed) == 1 and pushed[0].state.global_step == 2
+
+
+# ---------------------------------------------------------------------- facts quoted from the code
+def table_rows(heading: str) -> list[list[str]]:
+    section = readme().split(heading, 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]] for row in rows[1:]]  # skip the header
+
+
+def test_sampler_table_lists_the_registry_and_its_option_defaults():
+    from hf_midx import SAMPLERS
+    from hf_midx.samplers import SAMPLER_OPTIONS
+
+    rows = table_rows("## Samplers")
+    names = [row[0].strip("`") for row in rows]
+    assert sorted(names) == sorted(SAMPLERS)
+    listed = {}
+    for name, row in zip(names, rows, strict=True):
+        params = {}
+        for cls in SAMPLERS[name].__mro__:
+            if "__init__" in cls.__dict__:
+                for p in inspect.signature(cls.__init__).parameters.values():
+                    params.setdefault(p.name, p.default)
+        for option, default in re.findall(r"`(\w+)` \(([^)]*)\)", row[2]):
+            assert option in SAMPLER_OPTIONS, option
+            assert option in params, f"{name} has no option {option}"
+            assert ast.literal_eval(default) == params[option], (name, option)
+            listed[option] = default
+    # kmeans_iters and kmeans_backend are MidxConfig fields (the config table).
+    assert set(listed) == set(SAMPLER_OPTIONS) - {"kmeans_iters", "kmeans_backend"}
+
+
+def test_config_table_matches_midx_config_and_the_recipe():
+    import wikitext2
+
+    from hf_midx import MidxConfig
+
+    defaults = MidxConfig()
+    rows = table_rows("## Main `MidxConfig` fields")
+    assert rows
+    for field, default, recipe, _ in rows:
+        name = field.strip("`")
+        assert ast.literal_eval(default.strip("`")) == getattr(defaults, name), name
+        expected = wikitext2.MIDX_DEFAULTS.get(name, getattr(defaults, name))
+        if name != "seed":  # the recipes take the MIDX seed from --seed
+            assert recipe.strip("`") == str(expected), name
