@@ -163,14 +163,15 @@ def sampled_softmax_loss(
         hits = ids == y.unsqueeze(1)
     else:
         ids, log_q = sampler.sample_shared(h, num_samples, generator=generator)
-        w = weight[torch.cat([y, ids])]  # (T' + P, D): labels' rows, then the pool's
-        pos = (h * w[: y.shape[0]]).sum(-1, keepdim=True)
-        neg = h @ w[y.shape[0] :].t()  # (T', P): one matmul against the pool
+        n = y.shape[0]
+        rows = torch.cat([y, ids])  # (T' + P,): labels' rows, then the pool's
+        w = weight[rows]
+        pos = (h * w[:n]).sum(-1, keepdim=True)
+        neg = h @ w[n:].t()  # (T', P): one matmul against the pool
         logits = torch.cat([pos, neg], dim=1).float()
         if bias is not None:
-            b = bias[torch.cat([y, ids])].float()
-            pool_bias = b[y.shape[0] :].expand(y.shape[0], -1)
-            logits = logits + torch.cat([b[: y.shape[0]].unsqueeze(1), pool_bias], dim=1)
+            b = bias[rows].float()
+            logits = logits + torch.cat([b[:n].unsqueeze(1), b[n:].expand(n, -1)], dim=1)
         log_q = log_q.unsqueeze(0)
         hits = ids.unsqueeze(0) == y.unsqueeze(1)
     logits = _softcap(logits, logit_softcap)

@@ -407,8 +407,9 @@ class MidxSampler(Sampler):
         s2 = q[:, d2] @ c2.t()
         counts = self.index.bucket_counts.double()
         used = counts.sum(0) > 0
-        m2 = s2.masked_fill(~used, -math.inf).amax(1, keepdim=True)
-        e2 = (s2 - m2).double().exp()
+        s2_used = s2.masked_fill(~used, -math.inf)  # a codeword without classes must not overflow e2
+        m2 = s2_used.amax(1, keepdim=True)
+        e2 = (s2_used - m2).double().exp()
         psi = e2 @ counts.t()
         logits1 = s1.double() + psi.log() + m2.double()  # -inf for codewords k1 with no class
         log_z = torch.logsumexp(logits1, dim=1, keepdim=True)

@@ -379,3 +379,21 @@ def test_refresh_follows_new_embeddings(problem):
     torch.testing.assert_close(s.full_log_prob(queries), expected, atol=1e-5, rtol=0)
     ids, log_q = s.sample(queries, 200)
     torch.testing.assert_close(log_q, expected.gather(1, ids), atol=1e-4, rtol=0)
+
+
+def test_midx_ignores_a_codeword_without_classes(make_clustered):
+    """A codeword that holds no class (e.g. a learned one that drifted away) may score far above the
+    others; it must neither overflow the proposal (NaN) nor be drawn."""
+    emb, queries = make_clustered(200, 8, clusters=4, num_queries=8, seed=3)
+    s = build_sampler("midx-rq", emb, codebook_size=4)
+    c1, c2 = s.index.codebooks
+    far = torch.zeros(1, 8)
+    far[0, 0] = 1e4  # no residual is near it, so no class is assigned to it
+    s.set_codebooks((c1, torch.cat([c2[:3], far])), emb)
+    assert int(s.index.bucket_counts[:, 3].sum()) == 0
+    z = queries.clone()
+    z[:, 0] = 1.0  # z . far = 1e4: exp would overflow float64 without the mask
+    ids, log_q = s.sample(z, 64)
+    assert bool(torch.isfinite(log_q).all()) and int((s.index.codes[ids, 1] == 3).sum()) == 0
+    lp = s.full_log_prob(z).double()
+    torch.testing.assert_close(lp.exp().sum(1), torch.ones(z.shape[0], dtype=torch.float64), atol=1e-4, rtol=0)
