@@ -4,7 +4,10 @@
     L_recon = mean_i || q_hat_i - q_i ||^2
     L_KL = mean_z KL( softmax(z . q) || softmax(z . q_hat) )   over the caller's subset of queries
 
-q_hat_i is the paper's soft reconstruction of class i:
+q_hat_i is, by default ("hard"), c1[k1(i)] (+ or concatenated with) c2[k2(i)] at the class's nearest
+codewords: the very quantization the MIDX proposal uses, so L_KL is exactly KL(P || Q_midx), and the
+gradients reach the codewords through the gather (codes recomputed at every call). "soft" is the
+paper's soft reconstruction:
         pq: [ sum_k w1_ik c1_k , sum_k w2_ik c2_k ]  with w_l = softmax_k(-||q_i^l - c_k^l||^2)
         rq: sum_k w1_ik c1_k + sum_k w2_ik c2_k      with w2 on the residual q_i - sum_k w1_ik c1_k
 
@@ -14,6 +17,11 @@ weights peak on the nearest codeword, which is the hard code the index assigns w
 the codebooks (``MidxIndex.set_codebooks``). With the bare inner product the weights peak on the
 codeword of largest q . c_k instead, the objective describes another quantization than the one the
 sampler uses, and training could raise the deployed proposal's KL (seen with pq in the tests).
+
+Measured on the 1-epoch WikiText-2 model's head (V=33k, D=200, K=32, rq, 300 Adam steps at lr 1e-3,
+held-out queries): KL(Q || P) 1.170 -> 0.790 with "hard", 1.170 -> 3.621 with "soft": when squared
+distances are small next to 1 (head weights of norm ~0.7) the soft weights are nearly uniform and the
+soft objective describes a quantization far from the deployed one.
 
 Shapes: V classes, D dims, K codewords, S queries in the KL subset. The class embeddings are detached,
 so gradients reach the codewords only. The KL costs O(S V D): the caller bounds it through S.
@@ -26,6 +34,8 @@ from torch import nn
 
 from . import quantizers
 from ._checks import check_matrix
+
+ASSIGNMENTS = ("hard", "soft")
 
 
 def _soft_assign(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
@@ -45,6 +55,8 @@ class LearnableCodebooks(nn.Module):
         codebooks: initial (K, D1), (K, D2) tensors, e.g. ``sampler.index.codebooks`` after k-means.
         quantizer: "rq" or "pq" (must match the index the codebooks feed).
         kl_weight: weight of the KL term.
+        assignment: "hard" (default; q_hat is the index's own quantization) or "soft" (the paper's
+            soft reconstruction; see the module docstring for why it is not the default).
     """
 
     def __init__(
@@ -53,8 +65,11 @@ class LearnableCodebooks(nn.Module):
         quantizer: str = "rq",
         *,
         kl_weight: float = 1.0,
+        assignment: str = "hard",
     ) -> None:
         super().__init__()
+        if assignment not in ASSIGNMENTS:
+            raise ValueError(f"Unknown assignment {assignment!r}; choose one of {ASSIGNMENTS}.")
         if quantizer not in quantizers.QUANTIZERS:
             raise ValueError(f"Unknown quantizer {quantizer!r}; choose one of {quantizers.QUANTIZERS}.")
         for i, c in enumerate(codebooks):
@@ -65,6 +80,7 @@ class LearnableCodebooks(nn.Module):
             raise ValueError(f"kl_weight must be >= 0, got {kl_weight}.")
         self.quantizer = quantizer
         self.kl_weight = float(kl_weight)
+        self.assignment = assignment
         self.codebook1 = nn.Parameter(codebooks[0].detach().float().clone())
         self.codebook2 = nn.Parameter(codebooks[1].detach().float().clone())
 
@@ -81,6 +97,11 @@ class LearnableCodebooks(nn.Module):
         second = q[:, d2] - r1 if self.quantizer == "rq" else q[:, d2]
         r2 = _soft_assign(second, self.codebook2) @ self.codebook2
         return torch.cat([r1, r2], dim=1) if self.quantizer == "pq" else r1 + r2
+
+    def hard_reconstruct(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """The quantized (N, D) float32 embeddings at the nearest-codeword codes; differentiable in the
+        codewords (the codes themselves are piecewise constant)."""
+        return quantizers.decode(self.quantizer, self.hard_codes(embeddings), (self.codebook1, self.codebook2))
 
     def forward(
         self,
@@ -100,7 +121,7 @@ class LearnableCodebooks(nn.Module):
         q = embeddings.detach().float()
         z = queries.detach().float().to(q.device)
         # O(V K D) for q_hat of every class: the KL's normalization needs all of them anyway.
-        q_hat = self.soft_reconstruct(q)
+        q_hat = self.hard_reconstruct(q) if self.assignment == "hard" else self.soft_reconstruct(q)
         recon = ((q_hat - q) ** 2).sum(1).mean()
         log_p = torch.log_softmax(z @ q.t(), dim=1)
         log_p_hat = torch.log_softmax(z @ q_hat.t(), dim=1)

@@ -17,11 +17,12 @@ def data(make_clustered):
     return emb, queries[:64], queries[64:]
 
 
+@pytest.mark.parametrize("assignment", ["hard", "soft"])
 @pytest.mark.parametrize("quantizer", ["rq", "pq"])
-def test_gradients_reach_the_codewords_only(quantizer, data):
+def test_gradients_reach_the_codewords_only(quantizer, assignment, data):
     emb, queries, _ = data
     sampler = build_sampler(f"midx-{quantizer}", emb, codebook_size=8)
-    module = LearnableCodebooks(sampler.index.codebooks, quantizer)
+    module = LearnableCodebooks(sampler.index.codebooks, quantizer, assignment=assignment)
     emb_leaf = emb.clone().requires_grad_(True)
     q_leaf = queries.clone().requires_grad_(True)
     out = module(emb_leaf, q_leaf)
@@ -108,6 +109,8 @@ def test_invalid_codebooks_are_refused():
         LearnableCodebooks((torch.randn(4, 8), torch.randn(4, 8)), "opq")
     with pytest.raises(ValueError, match="same number of codewords"):
         LearnableCodebooks((torch.randn(4, 8), torch.randn(5, 8)), "rq")
+    with pytest.raises(ValueError, match="Unknown assignment"):
+        LearnableCodebooks((torch.randn(4, 8), torch.randn(4, 8)), "rq", assignment="nearest")
     with pytest.raises(ValueError, match="kl_weight must be >= 0"):
         LearnableCodebooks((torch.randn(4, 8), torch.randn(4, 8)), "rq", kl_weight=-1.0)
     with pytest.raises(ValueError, match=r"codebooks\[1\] contains NaN or Inf"):
