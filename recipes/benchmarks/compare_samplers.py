@@ -67,6 +67,11 @@ PAPER_PPL = {
     "midx-pq": 199.7429,
     "midx-rq": 180.9055,
 }
+#: Benchmark-only names: a sampler plus recipe flags (appended last, so they win over the shared flags).
+VARIANTS = {
+    "midx-rq-learned": ("midx-rq", ["--codebooks", "learned"]),
+    "midx-rq-shared": ("midx-rq", ["--negatives", "shared", "--num_samples", "1024"]),
+}
 KEEP_MODELS = ("full", "midx-rq")  # their weights stay (e.g. for bench_kl.py --model_dir); others are deleted
 QUICK_OVERRIDES = "n_embd=32,n_layer=1,n_head=2,n_inner=64"
 SMOKE_OVERRIDES = "n_embd=16,n_layer=1,n_head=2,n_inner=32"
@@ -84,7 +89,8 @@ def parse_args(argv=None):
         "--samplers",
         nargs="+",
         default=list(DEFAULT_SAMPLERS),
-        help="'full', any hf_midx sampler, or 'midx-rq-learned' (midx-rq with --codebooks learned)",
+        help="'full', any hf_midx sampler, 'midx-rq-learned' (midx-rq with --codebooks learned) or "
+        "'midx-rq-shared' (midx-rq with one shared pool of 1024 negatives per batch)",
     )
     p.add_argument("--epochs", type=float, default=1.0, help="epochs of the equal-epochs comparison")
     p.add_argument("--num_samples", type=int, default=20)
@@ -124,7 +130,7 @@ def parse_args(argv=None):
 def recipe_argv(
     args, files, out_dir: Path, sampler: str, *, epochs=None, max_steps=None, every=1, refresh_every=0
 ) -> list[str]:
-    name, extra = ("midx-rq", ["--codebooks", "learned"]) if sampler == "midx-rq-learned" else (sampler, [])
+    name, extra = VARIANTS.get(sampler, (sampler, []))
     argv = ["--train_file", str(files["train"]), "--validation_file", str(files["validation"])]
     if "test" in files:
         argv += ["--test_file", str(files["test"])]
@@ -133,7 +139,6 @@ def recipe_argv(
         str(out_dir),
         "--sampler",
         name,
-        *extra,
         "--num_samples",
         str(args.num_samples),
         "--codebook_size",
@@ -172,7 +177,7 @@ def recipe_argv(
             "--logging_first_step",
             "false",
         ]
-    return argv + shlex.split(args.recipe_args)
+    return argv + extra + shlex.split(args.recipe_args)
 
 
 def run_recipe(argv: list[str], out_dir: Path, launcher: str) -> dict:
@@ -330,10 +335,10 @@ def main(argv=None) -> dict:
             "was used (not comparable with the paper)"
         )
         print(data_note)
-    unknown = [s for s in args.samplers if s not in ("full", "midx-rq-learned") and s not in _sampler_names()]
+    unknown = [s for s in args.samplers if s != "full" and s not in VARIANTS and s not in _sampler_names()]
     if unknown:
         raise SystemExit(
-            f"unknown sampler(s) {unknown}; choose from full, midx-rq-learned, {', '.join(_sampler_names())}."
+            f"unknown sampler(s) {unknown}; choose from full, {', '.join(VARIANTS)}, {', '.join(_sampler_names())}."
         )
     out = Path(args.out)
     import torch  # noqa: PLC0415
