@@ -106,6 +106,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--wall_clock", default="on", choices=["on", "off"], help="also run the equal-wall-clock comparison")
     p.add_argument(
+        "--wall_clock_samplers",
+        nargs="+",
+        default=None,
+        help="samplers of the equal-wall-clock comparison (default: all of --samplers)",
+    )
+    p.add_argument(
         "--wall_clock_budget_s",
         type=float,
         default=None,
@@ -340,6 +346,9 @@ def main(argv=None) -> dict:
         raise SystemExit(
             f"unknown sampler(s) {unknown}; choose from full, {', '.join(VARIANTS)}, {', '.join(_sampler_names())}."
         )
+    stray = sorted(set(args.wall_clock_samplers or ()) - set(args.samplers))
+    if stray:
+        raise SystemExit(f"--wall_clock_samplers {stray} are not in --samplers; add them there too.")
     out = Path(args.out)
     import torch  # noqa: PLC0415
 
@@ -360,6 +369,7 @@ def main(argv=None) -> dict:
         "evals_per_run": args.evals_per_run,
         "wall_clock": args.wall_clock,
         "wall_clock_budget_s": args.wall_clock_budget_s,
+        "wall_clock_samplers": args.wall_clock_samplers,
         "launcher": launcher,
         "refreshes_per_epoch": args.refreshes_per_epoch,
         "recipe_args": args.recipe_args,
@@ -398,6 +408,8 @@ def main(argv=None) -> dict:
         budget = equal_epochs["full"].get("train_time_s")
     if args.wall_clock == "on" and budget:
         for sampler in order:
+            if args.wall_clock_samplers is not None and sampler not in args.wall_clock_samplers and sampler != "full":
+                continue
             if sampler == "full" and args.wall_clock_budget_s is None:
                 wall[sampler] = {**equal_epochs["full"], "same_as_equal_epochs": True}
                 continue
