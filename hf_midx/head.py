@@ -413,6 +413,9 @@ class MidxLMHead(nn.Module):
             logit_softcap=float(softcap) if softcap is not None else None,
             logit_scale=scale,
         )
+        # A new Module starts in training mode; the head must follow the model's mode (from_pretrained
+        # returns models in eval mode, whose loss must stay exact until someone calls train()).
+        head.train(linear.training)
         head.__dict__["_host"] = host
         try:
             params = list(inspect.signature(host.forward).parameters.values())

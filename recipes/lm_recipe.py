@@ -26,11 +26,11 @@ import os
 import platform
 import shlex
 import sys
-import tempfile
 import time
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -391,8 +391,12 @@ def _trainer_classes():
                 config._name_or_path = name
             path = os.path.join(self.args.output_dir, "README.md")
             if self.recipe_section and self.is_world_process_zero() and os.path.isfile(path):
-                with open(path, "a", encoding="utf-8") as f:
-                    f.write("\n" + self.recipe_section)
+                from hf_midx._io import atomic_write
+
+                with open(path, encoding="utf-8") as f:
+                    card = f.read()
+                # A reader never sees a card without its results section.
+                atomic_write(path, lambda tmp: Path(tmp).write_text(card + "\n" + self.recipe_section, encoding="utf-8"))
 
     class RecipeMidxTrainer(RecipeCard, MidxTrainer):
         """MidxTrainer with the recipe's results in the model card."""
@@ -445,22 +449,16 @@ def _split_metrics(trainer, blocks: TokenBlocks, prefix: str) -> dict[str, Any]:
 
 
 def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".results.", suffix=".tmp", dir=directory)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; results are not
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+    from hf_midx._io import atomic_write
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2, sort_keys=False, allow_nan=True)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+
+    atomic_write(path, write)
 
 
 def _versions() -> dict[str, str]:

@@ -130,7 +130,7 @@ def test_bench_kl(tmp_path):
     assert_pngs(tmp_path, "bench_kl_cumulative_trained.png", "bench_kl_cumulative_random.png", "bench_kl_vs_K.png")
 
 
-def test_compare_samplers(tmp_path):
+def _tiny_corpus(tmp_path: Path) -> Path:
     rng = random.Random(0)
     words = [f"w{i}" for i in range(300)]
     zipf = [1.0 / (i + 1) for i in range(len(words))]
@@ -139,6 +139,11 @@ def test_compare_samplers(tmp_path):
     for split, lines in (("train", 400), ("valid", 60), ("test", 60)):
         text = "\n".join(" ".join(rng.choices(words, zipf, k=rng.randint(3, 15))) for _ in range(lines))
         (data / f"{split}.txt").write_text(text + "\n")
+    return data
+
+
+def test_compare_samplers(tmp_path):
+    data = _tiny_corpus(tmp_path)
     out = tmp_path / "out"
     p = run_bench("compare_samplers", out, "--data_dir", str(data))
     check_rows(p)
@@ -166,3 +171,26 @@ def test_bench_e2e(tmp_path):
     for r in p["results"]:
         assert r["tokens_per_s"] > 0 and r["peak_bytes"] >= 0 and "speedup_vs_hf" in r
     assert_pngs(tmp_path, "bench_e2e.png")
+
+
+def test_compare_samplers_parallel_runs_and_variants(tmp_path):
+    """--parallel trains the equal-epochs runs side by side (subprocesses) with the same perplexities as
+    one at a time; midx-rq-shared trains with a shared pool of --pool_size; misuse is refused."""
+    data = _tiny_corpus(tmp_path)
+    common = ("--data_dir", str(data), "--samplers", "full", "midx-rq-shared", "--pool_size", "64", "--no_plots")
+    side = run_bench("compare_samplers", tmp_path / "side", *common, "--parallel", "2", "--wall_clock", "off")
+    one = run_bench("compare_samplers", tmp_path / "one", *common, "--launcher", "subprocess", "--wall_clock", "off")
+    assert side["settings"]["parallel"] == 2 and side["equal_wall_clock"] == {}
+    for s in ("full", "midx-rq-shared"):
+        assert side["equal_epochs"][s]["error"] is None
+        assert side["equal_epochs"][s]["test_perplexity"] == pytest.approx(one["equal_epochs"][s]["test_perplexity"])
+    cfg = json.loads((tmp_path / "side" / "midx-rq-shared" / "midx_config.json").read_text())
+    assert (cfg["negatives"], cfg["num_samples"], cfg["sampler"]) == ("shared", 64, "midx-rq")
+
+    script = [sys.executable, str(BENCH / "compare_samplers.py"), "--smoke", "--out", str(tmp_path / "bad")]
+    for args, message in (
+        (["--parallel", "2"], "--wall_clock off"),
+        (["--wall_clock_samplers", "lsh"], "not in --samplers"),
+    ):
+        proc = subprocess.run([*script, *args], capture_output=True, text=True, env=offline_env(), cwd=REPO, timeout=120)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]

@@ -102,6 +102,22 @@ def test_wrap_keeps_keys_ties_and_exact_eval(arch):
     assert torch.equal(model.generate(ids[:, :5], **gen_kwargs), reference.generate(ids[:, :5], **gen_kwargs))
 
 
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_wrap_keeps_the_model_mode(mode):
+    """from_pretrained returns eval-mode models: right after wrap, their loss is the exact one (and
+    deterministic), not a sampled estimate; a model in training mode keeps a head in training mode."""
+    model = tiny_model("gpt2").train(mode == "train")
+    reference = clone_model(model).train(mode == "train")
+    MidxLMHead.wrap(model, **SMALL)
+    assert MidxLMHead.find(model).training == (mode == "train")
+    ids = _ids()
+    with torch.no_grad():
+        losses = [model(input_ids=ids, labels=ids).loss for _ in range(2)]
+        want = reference(input_ids=ids, labels=ids).loss
+    if mode == "eval":
+        assert _rel(losses[0], want) < 1e-5 and _rel(losses[1], want) < 1e-5
+
+
 def test_gemma2_softcap_is_applied():
     model, reference = _wrapped("gemma2")
     head = MidxLMHead.find(model)

@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -70,7 +72,7 @@ PAPER_PPL = {
 #: Benchmark-only names: a sampler plus recipe flags (appended last, so they win over the shared flags).
 VARIANTS = {
     "midx-rq-learned": ("midx-rq", ["--codebooks", "learned"]),
-    "midx-rq-shared": ("midx-rq", ["--negatives", "shared", "--num_samples", "1024"]),
+    "midx-rq-shared": ("midx-rq", ["--negatives", "shared", "--num_samples", "{pool_size}"]),
 }
 KEEP_MODELS = ("full", "midx-rq")  # their weights stay (e.g. for bench_kl.py --model_dir); others are deleted
 QUICK_OVERRIDES = "n_embd=32,n_layer=1,n_head=2,n_inner=64"
@@ -90,11 +92,12 @@ def parse_args(argv=None):
         nargs="+",
         default=list(DEFAULT_SAMPLERS),
         help="'full', any hf_midx sampler, 'midx-rq-learned' (midx-rq with --codebooks learned) or "
-        "'midx-rq-shared' (midx-rq with one shared pool of 1024 negatives per batch)",
+        "'midx-rq-shared' (midx-rq with one shared pool of --pool_size negatives per batch)",
     )
     p.add_argument("--epochs", type=float, default=1.0, help="epochs of the equal-epochs comparison")
     p.add_argument("--num_samples", type=int, default=20)
     p.add_argument("--codebook_size", type=int, default=32)
+    p.add_argument("--pool_size", type=int, default=1024, help="shared pool size P of 'midx-rq-shared'")
     p.add_argument("--batch_size", type=int, default=None, help="per-device train batch (default 32; quick 8)")
     p.add_argument("--evals_per_run", type=int, default=None, help="validation points per run (default 4; quick 2)")
     p.add_argument(
@@ -128,6 +131,13 @@ def parse_args(argv=None):
         default="",
         help='extra flags for recipes/wikitext2.py, e.g. "--config_overrides n_layer=4 --learning_rate 5e-4"',
     )
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="equal-epochs runs at a time (subprocesses sharing the machine, e.g. a GPU that one small run leaves "
+        "idle); their perplexities are unaffected but their timings are not comparable, so it needs --wall_clock off",
+    )
     p.add_argument("--keep_models", action="store_true", help=f"keep every run's weights (default: only {KEEP_MODELS})")
     return common.parse(p, argv)
 
@@ -137,6 +147,7 @@ def recipe_argv(
     args, files, out_dir: Path, sampler: str, *, epochs=None, max_steps=None, every=1, refresh_every=0
 ) -> list[str]:
     name, extra = VARIANTS.get(sampler, (sampler, []))
+    extra = [a.format(pool_size=args.pool_size) for a in extra]
     argv = ["--train_file", str(files["train"]), "--validation_file", str(files["validation"])]
     if "test" in files:
         argv += ["--test_file", str(files["test"])]
@@ -186,8 +197,10 @@ def recipe_argv(
     return argv + extra + shlex.split(args.recipe_args)
 
 
-def run_recipe(argv: list[str], out_dir: Path, launcher: str) -> dict:
-    """One recipe run; returns its results.json, log history, wall time and error (None when it worked)."""
+def run_recipe(argv: list[str], out_dir: Path, launcher: str, threads: int | None = None) -> dict:
+    """One recipe run; returns its results.json, log history, wall time and error (None when it worked).
+
+    ``threads`` caps the subprocess's intra-op threads (for runs that share the machine)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stale = out_dir / "results.json"
     if stale.exists():
@@ -196,12 +209,14 @@ def run_recipe(argv: list[str], out_dir: Path, launcher: str) -> dict:
     error = None
     t0 = time.perf_counter()
     if launcher == "subprocess":
+        env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
         with open(out_dir / "recipe.log", "w") as log:
             proc = subprocess.run(
                 [sys.executable, str(common.RECIPES_DIR / "wikitext2.py"), *argv],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=common.REPO_ROOT,
+                env=env,
             )
         if proc.returncode != 0:
             tail = (out_dir / "recipe.log").read_text().strip().splitlines()[-1:] or [""]
@@ -311,6 +326,13 @@ def summarize(run: dict) -> dict:
 # ---------------------------------------------------------------------------- main
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.parallel < 1:
+        raise SystemExit(f"--parallel must be >= 1, got {args.parallel}.")
+    if args.parallel > 1 and (args.wall_clock == "on" or args.launcher == "inprocess"):
+        raise SystemExit(
+            "--parallel > 1 runs recipe subprocesses side by side, whose timings are not comparable: "
+            "add --wall_clock off (and do not pass --launcher inprocess)."
+        )
     if args.device == "cuda":
         print("compare_samplers runs the recipe, which picks its device itself (the Trainer uses a GPU when present).")
     q = args.quick
@@ -320,7 +342,7 @@ def main(argv=None) -> dict:
     args.evals_per_run = args.evals_per_run or (1 if args.smoke else 2 if q else 4)
     if args.refreshes_per_epoch is None:
         args.refreshes_per_epoch = 1 if args.smoke else 2 if q else 10
-    launcher = args.launcher or ("inprocess" if q else "subprocess")
+    launcher = args.launcher or ("inprocess" if q and args.parallel == 1 else "subprocess")
     files = common.data_files(args.data_dir) if (args.data_dir or not q) else None
     data_note = None
     if files is None and q:
@@ -365,12 +387,14 @@ def main(argv=None) -> dict:
         "epochs": args.epochs,
         "num_samples": args.num_samples,
         "codebook_size": args.codebook_size,
+        "pool_size": args.pool_size,
         "batch_size": args.batch_size,
         "evals_per_run": args.evals_per_run,
         "wall_clock": args.wall_clock,
         "wall_clock_budget_s": args.wall_clock_budget_s,
         "wall_clock_samplers": args.wall_clock_samplers,
         "launcher": launcher,
+        "parallel": args.parallel,
         "refreshes_per_epoch": args.refreshes_per_epoch,
         "recipe_args": args.recipe_args,
         "quick": q,
@@ -395,13 +419,22 @@ def main(argv=None) -> dict:
 
     equal_epochs, wall = {}, {}
     order = ["full"] + [s for s in args.samplers if s != "full"] if "full" in args.samplers else list(args.samplers)
-    for sampler in order:
+
+    def equal_epochs_run(sampler: str, threads: int | None = None) -> None:
         run_dir = out / sampler
         argv = recipe_argv(args, files, run_dir, sampler, epochs=args.epochs, every=every, refresh_every=refresh_every)
-        run = run_recipe(argv, run_dir, launcher)
-        equal_epochs[sampler] = summarize(run)
+        equal_epochs[sampler] = summarize(run_recipe(argv, run_dir, launcher, threads))
         _prune(run_dir, sampler, args.keep_models)
         _print_run(sampler, equal_epochs[sampler])
+
+    if args.parallel > 1:
+        threads = max(1, (os.cpu_count() or 1) // args.parallel)
+        with ThreadPoolExecutor(args.parallel) as pool:
+            list(pool.map(lambda s: equal_epochs_run(s, threads), order))
+        equal_epochs = {s: equal_epochs[s] for s in order}
+    else:
+        for sampler in order:
+            equal_epochs_run(sampler)
 
     budget = args.wall_clock_budget_s
     if budget is None and "full" in equal_epochs:
