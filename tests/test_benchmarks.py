@@ -191,6 +191,7 @@ def test_compare_samplers_parallel_runs_and_variants(tmp_path):
     for args, message in (
         (["--parallel", "2"], "--wall_clock off"),
         (["--wall_clock_samplers", "lsh"], "not in --samplers"),
+        (["--pool_size", "0"], "--pool_size must be >= 1"),
     ):
         proc = subprocess.run([*script, *args], capture_output=True, text=True, env=offline_env(), cwd=REPO, timeout=120)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]

@@ -15,14 +15,14 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, TrainingArguments
+from transformers import AutoModelForCausalLM
 
-from _models import clone_model, markov_batches, tiny_model
+from _models import clone_model, tiny_model
 from hf_midx import SAMPLERS, MidxConfig, MidxLMHead, build_sampler
 from hf_midx.loss import full_softmax_loss, sampled_softmax_loss
 from hf_midx.trainer import MidxTrainer
 from test_head import _LargestTensor
-from test_trainer import RowsDataset
+from test_trainer import VOCAB, RowsDataset, eval_rows, markov_rows, training_args
 
 DEVICE = torch.device(os.environ.get("HF_MIDX_TEST_DEVICE", "cuda"))
 pytestmark = pytest.mark.skipif(
@@ -136,27 +136,12 @@ def test_wrapped_model_on_device(arch, dtype):
 
 # ------------------------------------------------------------------------------------------ trainer
 def test_trainer_bf16_trains_evaluates_exactly_and_exports(tmp_path):
-    vocab, seq = 256, 16
-    rows = torch.cat(markov_batches(vocab, 1064, seq, 1, seed=1))
-    train, evals = RowsDataset(rows[:400]), RowsDataset(rows[-64:])
+    train, evals = RowsDataset(markov_rows(400)), RowsDataset(eval_rows(64))
     model = MidxLMHead.wrap(
-        tiny_model("gpt2", vocab_size=vocab),
+        tiny_model("gpt2", vocab_size=VOCAB),
         MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=10, refresh_every_steps=10),
     )
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "run"),
-        per_device_train_batch_size=8,
-        per_device_eval_batch_size=32,
-        learning_rate=1e-2,
-        max_steps=50,
-        logging_steps=5,
-        bf16=True,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=DEVICE.type == "cpu",
-        disable_tqdm=True,
-        seed=0,
-    )
+    args = training_args(tmp_path / "run", max_steps=50, bf16=True, use_cpu=DEVICE.type == "cpu")
     trainer = MidxTrainer(model=model, args=args, train_dataset=train, eval_dataset=evals)
     before = trainer.evaluate()
     trainer.train()
@@ -177,6 +162,6 @@ def test_trainer_bf16_trains_evaluates_exactly_and_exports(tmp_path):
     model.eval()
     with torch.no_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         logits = plain(evals.rows.to(DEVICE)).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), evals.rows[:, 1:].reshape(-1).to(DEVICE))
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), evals.rows[:, 1:].reshape(-1).to(DEVICE))
     # The exported model under the same bf16 autocast reproduces the Trainer's exact eval loss.
     assert after["eval_loss"] == pytest.approx(float(nll), rel=2e-2)

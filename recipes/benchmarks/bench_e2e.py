@@ -236,20 +236,18 @@ def main(argv=None) -> dict:
         else ["recipe", "head-dominated"]
     )
     env = common.environment(device)
-    settings = {
-        "settings": {k: SETTINGS[k] for k in settings_keys},
-        "cases": args.cases,
-        "steps": steps,
-        "warmup": warmup,
-        "pool_size": args.pool_size,
-        "bf16": bf16,
-        "quick": args.quick,
-        "smoke": args.smoke,
-        "seed": args.seed,
-        "optimizer": "AdamW lr 1e-4",
-        "timed": "forward + backward + optimizer step",
-        "tokens": "input tokens per second (batch x block)",
-    }
+    settings = common.run_settings(
+        args,
+        settings={k: SETTINGS[k] for k in settings_keys},
+        cases=args.cases,
+        steps=steps,
+        warmup=warmup,
+        pool_size=args.pool_size,
+        bf16=bf16,
+        optimizer="AdamW lr 1e-4",
+        timed="forward + backward + optimizer step",
+        tokens="input tokens per second (batch x block)",
+    )
     if args.smoke:
         settings["quick_note"] = "smoke: V=2048, batch 2 x 17 tokens (for the test suite only)"
     elif args.quick:

@@ -132,27 +132,25 @@ def main(argv=None) -> dict:
         except ImportError:
             print("liger_kernel not installed: the liger case is left out (pip install liger-kernel).")
     env = common.environment(device)
-    settings = {
-        "tokens": t,
-        "dims": dims,
-        "vocab": vocab,
-        "num_samples": m,
-        "pool_size": pool,
-        "codebook_size": k,
-        "kmeans_iters": args.kmeans_iters,
-        "kmeans_backend": args.kmeans_backend,
-        "dtype": str(dtype),
-        "warmup": warmup,
-        "repeats": repeats,
-        "budget_s": args.budget_s,
-        "max_mem_gb": args.max_mem_gb,
-        "quick": args.quick,
-        "smoke": args.smoke,
-        "samplers": args.samplers,
-        "seed": args.seed,
-        "timed": "forward + backward of head and loss (sampling included, index build excluded)",
-        "memory": "peak bytes the step allocates (CPU: torch.profiler memory events; GPU: max_memory_allocated)",
-    }
+    settings = common.run_settings(
+        args,
+        tokens=t,
+        dims=dims,
+        vocab=vocab,
+        num_samples=m,
+        pool_size=pool,
+        codebook_size=k,
+        kmeans_iters=args.kmeans_iters,
+        kmeans_backend=args.kmeans_backend,
+        dtype=str(dtype),
+        warmup=warmup,
+        repeats=repeats,
+        budget_s=args.budget_s,
+        max_mem_gb=args.max_mem_gb,
+        samplers=args.samplers,
+        timed="forward + backward of head and loss (sampling included, index build excluded)",
+        memory="peak bytes the step allocates (CPU: torch.profiler memory events; GPU: max_memory_allocated)",
+    )
     common.print_header(NAME, env, settings)
 
     rows, builds, results = [], [], []

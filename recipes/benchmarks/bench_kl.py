@@ -406,24 +406,22 @@ def main(argv=None) -> dict:
         raise SystemExit("--source train needs WikiText-2 text: pass --data_dir (train.txt, valid.txt).")
     torch.manual_seed(args.seed)
     env = common.environment(device)
-    settings = {
-        "source": source,
-        "model_dir": args.model_dir,
-        "data_dir": str(args.data_dir or common.DEFAULT_DATA_DIR),
-        "queries": args.queries,
-        "codebook_sizes": ks,
-        "num_samples": args.num_samples,
-        "grad_repeats": args.grad_repeats,
-        "learn_k": args.learn_k,
-        "learn_steps": args.learn_steps,
-        "learn_lr": args.learn_lr,
-        "learn_queries": args.learn_queries,
-        "plot_k": args.plot_k,
-        "samplers": samplers,
-        "quick": q,
-        "smoke": smoke,
-        "seed": args.seed,
-    }
+    settings = common.run_settings(
+        args,
+        source=source,
+        model_dir=args.model_dir,
+        data_dir=str(args.data_dir or common.DEFAULT_DATA_DIR),
+        queries=args.queries,
+        codebook_sizes=ks,
+        num_samples=args.num_samples,
+        grad_repeats=args.grad_repeats,
+        learn_k=args.learn_k,
+        learn_steps=args.learn_steps,
+        learn_lr=args.learn_lr,
+        learn_queries=args.learn_queries,
+        plot_k=args.plot_k,
+        samplers=samplers,
+    )
     if source == "train":
         settings.update(
             {"train_steps": args.train_steps, "train_sampler": args.train_sampler, "recipe_args": args.recipe_args}

@@ -105,25 +105,23 @@ def main(argv=None) -> dict:
         raise SystemExit("--build_backends faiss needs faiss: pip install 'hf-midx[faiss]'.")
     k, d, m = args.codebook_size, args.dim, args.num_samples
     env = common.environment(device)
-    settings = {
-        "vocab": vocab,
-        "queries": args.queries,
-        "num_samples": m,
-        "dim": d,
-        "codebook_size": k,
-        "kmeans_iters": args.kmeans_iters,
-        "samplers": samplers,
-        "exhaustive_max_v": ex_max,
-        "build_backends": backends,
-        "warmup": warmup,
-        "repeats": repeats,
-        "budget_s": args.budget_s,
-        "quick": args.quick,
-        "smoke": args.smoke,
-        "seed": args.seed,
-        "timed": "sampler.sample(queries, M): ids and log Q of M draws per query (build excluded)",
-        "data": "i.i.d. Gaussian embeddings and queries, Zipf(1) unigram counts",
-    }
+    settings = common.run_settings(
+        args,
+        vocab=vocab,
+        queries=args.queries,
+        num_samples=m,
+        dim=d,
+        codebook_size=k,
+        kmeans_iters=args.kmeans_iters,
+        samplers=samplers,
+        exhaustive_max_v=ex_max,
+        build_backends=backends,
+        warmup=warmup,
+        repeats=repeats,
+        budget_s=args.budget_s,
+        timed="sampler.sample(queries, M): ids and log Q of M draws per query (build excluded)",
+        data="i.i.d. Gaussian embeddings and queries, Zipf(1) unigram counts",
+    )
     common.print_header(NAME, env, settings)
 
     results, builds, rows = [], [], []

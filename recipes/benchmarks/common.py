@@ -71,6 +71,11 @@ def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     return args
 
 
+def run_settings(args: argparse.Namespace, **specific) -> dict:
+    """A run's settings for the header and the JSON: the script's own, then the flags of base_parser."""
+    return {**specific, "quick": args.quick, "smoke": args.smoke, "seed": args.seed}
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -326,8 +326,9 @@ def summarize(run: dict) -> dict:
 # ---------------------------------------------------------------------------- main
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.parallel < 1:
-        raise SystemExit(f"--parallel must be >= 1, got {args.parallel}.")
+    for flag in ("parallel", "pool_size"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag} must be >= 1, got {getattr(args, flag)}.")
     if args.parallel > 1 and (args.wall_clock == "on" or args.launcher == "inprocess"):
         raise SystemExit(
             "--parallel > 1 runs recipe subprocesses side by side, whose timings are not comparable: "
@@ -379,31 +380,28 @@ def main(argv=None) -> dict:
     train_tokens = sum(
         len(line.split()) + 1 for line in Path(files["train"]).read_text(encoding="utf-8").split("\n")[:-1]
     )
-    settings = {
-        "data": {k: str(v) for k, v in files.items()},
-        "data_note": data_note,
-        "train_tokens": train_tokens,
-        "samplers": args.samplers,
-        "epochs": args.epochs,
-        "num_samples": args.num_samples,
-        "codebook_size": args.codebook_size,
-        "pool_size": args.pool_size,
-        "batch_size": args.batch_size,
-        "evals_per_run": args.evals_per_run,
-        "wall_clock": args.wall_clock,
-        "wall_clock_budget_s": args.wall_clock_budget_s,
-        "wall_clock_samplers": args.wall_clock_samplers,
-        "launcher": launcher,
-        "parallel": args.parallel,
-        "refreshes_per_epoch": args.refreshes_per_epoch,
-        "recipe_args": args.recipe_args,
-        "quick": q,
-        "smoke": args.smoke,
-        "seed": args.seed,
-        "model": (SMOKE_OVERRIDES if args.smoke else QUICK_OVERRIDES)
-        if q
-        else "the paper's: GPT-2 architecture, 2 layers, 4 heads, d 200, ff 1024",
-    }
+    settings = common.run_settings(
+        args,
+        data={k: str(v) for k, v in files.items()},
+        data_note=data_note,
+        train_tokens=train_tokens,
+        samplers=args.samplers,
+        epochs=args.epochs,
+        num_samples=args.num_samples,
+        codebook_size=args.codebook_size,
+        pool_size=args.pool_size,
+        batch_size=args.batch_size,
+        evals_per_run=args.evals_per_run,
+        wall_clock=args.wall_clock,
+        wall_clock_budget_s=args.wall_clock_budget_s,
+        wall_clock_samplers=args.wall_clock_samplers,
+        launcher=launcher,
+        parallel=args.parallel,
+        refreshes_per_epoch=args.refreshes_per_epoch,
+        recipe_args=args.recipe_args,
+        model=((SMOKE_OVERRIDES if args.smoke else QUICK_OVERRIDES) if q else
+               "the paper's: GPT-2 architecture, 2 layers, 4 heads, d 200, ff 1024"),
+    )  # fmt: skip
 
     # Evaluation frequency from the steps of one epoch (blocks of seq_len + 1 tokens, stride seq_len).
     seq_len = 20 if q else 50
