@@ -1,24 +1,30 @@
 """hf-midx: adaptive sampled softmax with an inverted multi-index for large-vocabulary LM training.
 
-The algorithm (``index``, ``quantizers``, ``samplers``, ``loss``, ``codebooks``) is plain PyTorch.
-The Hugging Face layer (``config``, ``head``, ``trainer``, ``model_card``) is imported lazily, so
-``import hf_midx`` does not import transformers until one of its names is used.
+The algorithm (``index``, ``quantizers``, ``samplers``, ``loss``, ``codebooks``, ``diagnostics``,
+``rng``) is plain PyTorch.
+The Hugging Face layer (``config``, ``head``, ``wrap``, ``callback``, ``state``, ``trainer``,
+``model_card``) is imported lazily, so ``import hf_midx`` does not import transformers until one of
+its names is used.
 """
 
 from importlib import import_module
 
 from .codebooks import LearnableCodebooks
+from .diagnostics import proposal_diagnostics
 from .index import MidxIndex
 from .loss import full_softmax_loss, sampled_softmax_loss
+from .rng import CounterRNG
 from .samplers import SAMPLERS, Sampler, build_sampler, kl_to_softmax
 from .version import __version__
 
 # Public names of the transformers layer -> the module that defines them.
 _LAZY = {
+    "MidxCallback": "callback",
     "MidxConfig": "config",
     "MidxLMHead": "head",
-    "MidxNonFiniteError": "trainer",
+    "MidxNonFiniteError": "callback",
     "MidxTrainer": "trainer",
+    "refresh_index": "callback",
 }
 
 
@@ -30,7 +36,9 @@ def __getattr__(name: str):
 
 __all__ = sorted(
     [
+        "CounterRNG",
         "LearnableCodebooks",
+        "MidxCallback",
         "MidxConfig",
         "MidxIndex",
         "MidxLMHead",
@@ -42,6 +50,8 @@ __all__ = sorted(
         "build_sampler",
         "full_softmax_loss",
         "kl_to_softmax",
+        "proposal_diagnostics",
+        "refresh_index",
         "sampled_softmax_loss",
     ]
 )

@@ -1,32 +1,36 @@
-"""MidxLMHead: wrap a causal LM's output layer so training uses the MIDX sampled softmax.
+"""MidxLMHead: the LM-head layer that trains with the MIDX sampled softmax and predicts with the full one.
 
-How it works (all per instance; no class is patched):
+This module is the layer (its forward, its loss, its sampler); putting it into a model and taking it
+out again (wrap / unwrap / verify) is :mod:`hf_midx.wrap`. All state is per instance; no class is patched.
 
-* :meth:`MidxLMHead.wrap` replaces the model's ``get_output_embeddings()`` ``nn.Linear`` by a
-  ``MidxLMHead`` that registers the *same* ``weight`` (and ``bias``) ``Parameter`` s as its own, so
-  ``model.state_dict()`` keeps exactly the original keys (``lm_head.weight``), tied weights stay tied and
+* The head registers the *same* ``weight`` (and ``bias``) ``Parameter`` s as the ``nn.Linear`` it
+  replaces, so ``model.state_dict()`` keeps exactly the original keys, tied weights stay tied and
   ``save_pretrained`` writes a plain transformers checkpoint. The original ``nn.Linear`` is kept in
-  ``head.linear`` (not a submodule) and put back by :meth:`MidxLMHead.unwrap`.
-* A forward pre-hook on the model that owns the head (the *host*, e.g. ``LlamaForCausalLM``; inside
-  a PEFT wrapper too) looks at each call's ``labels``:
+  ``head.linear`` (not a submodule).
+* A forward pre-hook on the model that owns the head (the *host*) looks at each call's ``labels``:
 
-  - no labels, or eval mode outside ``exact_loss_only``: the head *is* the original ``nn.Linear``: full logits, so ``generate()``,
-    pipelines and evaluation behave exactly as before;
-  - training mode with labels ("sampled" mode): the head stashes its input hidden states and returns a
-    zero-width placeholder of shape (B, S, 0), so no (tokens x vocab) tensor is ever built; the host's
-    ``loss_function`` (replaced on the instance) computes :func:`hf_midx.sampled_softmax_loss` from the
-    stash with ``ForCausalLMLoss`` label semantics. **In training, ``outputs.logits`` is that
-    placeholder.**
-  - inside ``with head.exact_loss_only():`` with labels ("exact" mode): the same stash and placeholder,
-    the loss is the exact :func:`hf_midx.full_softmax_loss` (no full logits materialized).
+  - no labels, or eval mode outside ``exact_loss_only``: full logits, so ``generate()``, pipelines and
+    evaluation behave exactly as before;
+  - training mode with labels ("sampled" mode): the head stashes its input hidden states and returns
+    a zero-width placeholder of shape (B, S, 0), so no (tokens x vocab) tensor is ever built; the
+    host's ``loss_function`` (replaced on the instance) computes :func:`hf_midx.sampled_softmax_loss`
+    with ``ForCausalLMLoss`` label semantics. **In training, ``outputs.logits`` is that placeholder.**
+  - inside ``with head.exact_loss_only():`` with labels ("exact" mode): the same stash and
+    placeholder, and the exact :func:`hf_midx.full_softmax_loss` (no full logits materialized).
+  - training mode with labels and ``fused_lm_head=True`` (TRL's trainers, after
+    ``trl.trainer.utils.add_fused_lm_head``): the sampled loss as above, returned as TRL's fused output
+    (:class:`MidxFusedOutput`): ``log_probs`` are the per-token log-probabilities *of the sampled
+    softmax* (minus the per-token sampled loss), ``label_mask`` the non-ignored positions, and
+    ``entropy`` / ``is_top1`` NaN (unavailable: both need the full softmax). Outside training mode
+    TRL's own exact, tiled computation runs unchanged.
 
-  A forward hook (``always_call=True``) switches the head back to full logits after every call, also
-  when the forward raises.
-* At wrap time two 8-token eval forwards check that the head reproduces the model's logits (with its
-  softcap / logit scale) and its loss; architectures that post-process logits otherwise, or compute
-  the loss without ``self.loss_function``, are refused instead of trained wrongly.
+  A forward hook (``always_call=True``) switches the head back to full logits after every call.
+* Per training call the head keeps, without any device-to-host synchronization, the data the
+  callback needs at its next logging step: ``last_queries`` (``kl_queries`` hidden states, for the KL
+  and the learned codebooks), the last batch's hidden states and labels (for one exact loss), and the
+  first call whose hidden states or loss were not finite.
 
-Shapes: B batch, S sequence, T = B*S tokens, D hidden dims, V classes.
+Shapes: B batch, S sequence, T = B*S tokens, D hidden dims, V classes, k = ``config.kl_queries``.
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ import contextlib
 import inspect
 import logging
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.utils import ModelOutput
 
 from .config import MidxConfig
 from .loss import full_softmax_loss, sampled_softmax_loss
@@ -48,8 +54,8 @@ from .samplers import Sampler, build_sampler
 logger = logging.getLogger(__name__)
 
 _FULL, _SAMPLED, _EXACT = "full", "sampled", "exact"
-# nn.Module dicts that flag a hook id (with_kwargs / always_call); cleaned with the hook on unwrap.
-_HOOK_FLAG_STORES = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+#: Causes of the first non-finite training call, as :meth:`MidxLMHead.first_nonfinite_call` names them.
+NONFINITE_CAUSES = {1: "hidden states (the LM head's input)", 2: "loss"}
 
 
 def _causal_lm_loss_reference(
@@ -61,8 +67,33 @@ def _causal_lm_loss_reference(
 _LOSS_SIGNATURE = inspect.signature(_causal_lm_loss_reference)
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+@dataclass
+class MidxFusedOutput(ModelOutput):
+    """What a wrapped model returns for ``model(..., labels=..., fused_lm_head=True)`` in training mode.
+
+    The fields of TRL's ``FusedCausalLMOutput`` (``add_fused_lm_head``), from the sampled softmax.
+    Per-token fields have the shape of the shifted labels: (B, S - 1), or (B, S) with ``shift_labels``.
+
+    Attributes:
+        loss: float32 scalar, the sampled loss (sum over non-ignored tokens / ``num_items_in_batch``,
+            or their mean), plus the model's auxiliary loss where it adds one.
+        log_probs: float32, log-probability of each label under the sampled softmax (the label and
+            the proposal-corrected negatives), 0 at ignored positions; an estimate, not the exact value.
+        entropy: float32, NaN (not available without the full softmax).
+        is_top1: float32, NaN (not available without the full softmax).
+        log_sum_sq_probs, mean_logits: None.
+        label_mask: bool, True where the label is not ignored.
+        aux_loss: the model's auxiliary (MoE) loss, or None.
+    """
+
+    loss: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    label_mask: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
 
 
 class MidxLMHead(nn.Module):
@@ -73,13 +104,18 @@ class MidxLMHead(nn.Module):
     Attributes:
         config: the :class:`~hf_midx.MidxConfig` in use.
         sampler: the proposal (:class:`hf_midx.Sampler`), built from the head weight at wrap time.
-        linear: the original ``nn.Linear`` (not a submodule: its parameters *are* ``weight``/``bias``).
+        linear: the original ``nn.Linear`` (not a submodule); while wrapped its ``weight``/``bias`` are
+            None (the head holds them), and :meth:`unwrap` gives them back.
         num_classes: V, the number of output classes (rows of the weight).
         logit_softcap: ``cap`` in ``cap * tanh(logits / cap)`` (Gemma-2's ``final_logit_softcapping``) or None.
         logit_scale: factor the host applies to the logits (Cohere's ``logit_scale``, 1 / Granite's
             ``logits_scaling``); 1.0 for most models.
-        last_queries: up to ``config.kl_queries`` hidden states (float32, detached) of the last sampled
-            loss's non-ignored tokens, for the trainer's KL logging and learned codebooks; or None.
+        last_queries: (min(k, T), D) float32, detached: hidden states of the last sampled call, evenly
+            spaced over its non-ignored tokens (repeated when fewer than k; any tokens when none is
+            non-ignored); or None. Chosen on the device, without reading the labels back.
+        call_counter: 0-dim int64 tensor on the head's device, the number of sampled-loss calls since
+            :meth:`clear_step_data` (None before the first); a tensor, so that counting neither syncs
+            nor makes ``torch.compile`` recompile at every call. :attr:`sampled_calls` reads it.
     """
 
     def __init__(
@@ -101,19 +137,24 @@ class MidxLMHead(nn.Module):
         self.__dict__["linear"] = linear  # kept out of _modules so its keys do not appear twice
         self.__dict__["_host"] = None
         self.config = config
-        self.num_classes = int(linear.weight.shape[0])
+        self.num_classes = int(self.weight.shape[0])
         self.logit_softcap = logit_softcap
         self.logit_scale = float(logit_scale)
-        self.last_queries: torch.Tensor | None = None
         self._class_counts = class_counts
         self._mode = _FULL
         self._exact_depth = 0
         self._hidden: torch.Tensor | None = None
+        self._fused: dict[str, Any] | None = None  # set for a training call with fused_lm_head=True
         self._labels_position: int | None = None
         self._saved_loss_function: Any = None
         self._had_loss_function = False
         self._warned_unhooked = False
+        self._warned_full_training = False
+        self.clear_step_data()
+        #: (H,) int64 ids of the exact head (config.exact_head most frequent classes), or None.
+        self.exact_ids: torch.Tensor | None = self._exact_head_ids(config, class_counts, self.num_classes)
         self.sampler: Sampler = self._build_sampler(self.weight)
+        self._release_linear()  # last: a failed construction leaves the model's Linear as it was
 
     # ------------------------------------------------------------------ nn.Linear look-alike
     @property
@@ -134,10 +175,32 @@ class MidxLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits (B, S, V) in "full" mode; in "sampled"/"exact" mode stash ``hidden`` and return (B, S, 0)."""
         if self._mode == _FULL:
+            if self.training and torch.is_grad_enabled() and not self._warned_full_training:
+                self._warned_full_training = True
+                warnings.warn(
+                    "MidxLMHead computed full logits in training mode with gradients: the model was called without "
+                    "labels, so whatever loss the caller builds from these logits trains the full softmax, not the "
+                    "sampled one (e.g. label smoothing or a compute_loss_func). Pass labels to the model to train "
+                    "with MIDX.",
+                    stacklevel=2,
+                )
+            if type(self.linear) is nn.Linear:
+                # The head's own parameters: under FSDP2 they are the unsharded ones during forward.
+                return F.linear(hidden, self.weight, self.bias)
             self._sync_linear()
-            return self.linear(hidden)
+            try:
+                return self.linear(hidden)
+            finally:
+                self._release_linear()
         self._hidden = hidden
         return hidden.new_zeros((*hidden.shape[:-1], 0))
+
+    def _release_linear(self) -> None:
+        # The head holds the parameters; the kept Linear gets them back on unwrap. A second reference
+        # would keep the full weight alive where FSDP2 replaces the head's parameters by shards.
+        self.linear._parameters["weight"] = None
+        if "bias" in self.linear._parameters:
+            self.linear._parameters["bias"] = None
 
     def _sync_linear(self) -> None:
         # If something re-registered the head's parameters (e.g. tie_weights), the Linear follows.
@@ -148,14 +211,47 @@ class MidxLMHead(nn.Module):
             linear.bias = self.bias
 
     # ------------------------------------------------------------------ sampler
+    @staticmethod
+    def _exact_head_ids(config: MidxConfig, class_counts, num_classes: int) -> torch.Tensor | None:
+        """The min(config.exact_head, V // 8) most frequent classes, sorted; None when off or without counts (warned)."""
+        h = config.exact_head
+        if h == 0:
+            return None
+        if class_counts is None:
+            warnings.warn(
+                f"MidxLMHead: exact_head={h} needs class_counts (training-token frequencies) to pick the most "
+                "frequent classes; without them the exact head is off. Pass class_counts= to wrap.",
+                UserWarning,
+                stacklevel=4,
+            )
+            return None
+        # At most V/8: a small vocabulary keeps most of its classes in the sampled part (and a default
+        # made for V in the tens of thousands still works on a tiny test model).
+        h = min(h, num_classes // 8)
+        if h == 0:
+            return None
+        counts = torch.as_tensor(class_counts).double().flatten()
+        if counts.shape[0] != num_classes:
+            raise ValueError(f"class_counts must have shape ({num_classes},), got {tuple(counts.shape)}.")
+        # stable ranking: ties broken by class id, so every rank picks the same head.
+        return torch.sort(torch.sort(-counts, stable=True).indices[:h]).values
+
     def _build_sampler(self, weight: torch.Tensor) -> Sampler:
+        exclude = None if self.exact_ids is None else self.exact_ids.to(weight.device)
         return build_sampler(
-            self.config.sampler, weight.detach(), class_counts=self._class_counts, **self.config.sampler_kwargs()
+            self.config.sampler,
+            weight.detach(),
+            class_counts=self._class_counts,
+            exclude=exclude,
+            **self.config.sampler_kwargs(),
         )
 
     @torch.no_grad()
     def refresh(self, weight: torch.Tensor | None = None) -> None:
-        """Rebuild the sampler's tables from the current head weight (in place).
+        """Rebuild the sampler's tables from the current head weight (in place, this process only).
+
+        Use :func:`hf_midx.refresh_index` for a model whose head is sharded or trained by several
+        processes: it gathers the weight, rebuilds on rank 0 and broadcasts.
 
         Args:
             weight: optional full (V, D) weight to use instead of ``self.weight``, e.g. the gathered
@@ -165,8 +261,11 @@ class MidxLMHead(nn.Module):
         if not isinstance(w, torch.Tensor) or w.dim() != 2 or tuple(w.shape) != (self.num_classes, self.in_features):
             raise ValueError(
                 f"refresh needs the full ({self.num_classes}, {self.in_features}) head weight, got "
-                f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}; gather a sharded weight first."
+                f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}; gather a sharded weight first "
+                "(hf_midx.refresh_index(model) does)."
             )
+        if hasattr(w, "full_tensor"):
+            raise ValueError("refresh got a sharded DTensor weight; hf_midx.refresh_index(model) gathers it.")
         w = w.detach()
         if w.device != self.sampler.device:
             self.sampler = self._build_sampler(w)
@@ -198,10 +297,16 @@ class MidxLMHead(nn.Module):
         """What the current (or next) call does: "full", "sampled" or "exact"."""
         return self._mode
 
-    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         labels = kwargs.get("labels")
         if labels is None and self._labels_position is not None and len(args) > self._labels_position:
             labels = args[self._labels_position]
+        fused = bool(kwargs.get("fused_lm_head"))
+        only_shifted = labels is None and fused and kwargs.get("shift_labels") is not None
+        if only_shifted:
+            # TRL under context parallelism passes pre-shifted labels only; the model computes a loss
+            # only when it gets labels, and the loss then uses shift_labels (ForCausalLMLoss semantics).
+            labels = kwargs["shift_labels"]
         if labels is None:
             self._mode = _FULL
         elif self._exact_depth > 0:
@@ -211,10 +316,45 @@ class MidxLMHead(nn.Module):
         else:
             self._mode = _FULL
         self._hidden = None
+        self._fused = None
+        if self._mode == _SAMPLED and fused:
+            # TRL asks for its fused output; its fused forward would compute the exact softmax and never
+            # call this head. Run the model's own forward (the sampled loss) and convert the output after.
+            self._fused = {}
+            kwargs = {k: v for k, v in kwargs.items() if k != "fused_lm_head"}
+            if only_shifted:
+                kwargs["labels"] = labels
+            return args, kwargs
+        return None
 
-    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        fused = self._fused
+        self._reset_call_state()
+        if fused is None or output is None:
+            return None
+        if "per_token" not in fused:
+            raise RuntimeError(
+                "MidxLMHead: a fused_lm_head=True training call did not reach the sampled loss (the model's loss "
+                "was not computed through its loss_function); refusing to return exact log-probabilities."
+            )
+        per_token, mask = fused["per_token"], fused["mask"]
+        log_probs = -per_token
+        if fused["shifted_here"]:  # TRL's shape: (B, S - 1) when it shifts the labels itself
+            log_probs, mask = log_probs[..., :-1], mask[..., :-1]
+        unavailable = torch.full_like(log_probs, float("nan"))
+        return MidxFusedOutput(
+            loss=output.loss,
+            log_probs=log_probs,
+            entropy=unavailable,
+            is_top1=unavailable,
+            label_mask=mask,
+            aux_loss=getattr(output, "aux_loss", None),
+        )
+
+    def _reset_call_state(self) -> None:
         self._mode = _FULL
         self._hidden = None
+        self._fused = None
 
     # ------------------------------------------------------------------ the loss
     def _loss_function(self, *args, **kwargs) -> torch.Tensor:
@@ -237,6 +377,18 @@ class MidxLMHead(nn.Module):
         shift_labels = bound.get("shift_labels")
         ignore_index = bound.get("ignore_index", -100)
         num_items = bound.get("num_items_in_batch")
+        if self._fused is not None:
+            per_token = self.loss_from_hidden(
+                hidden, labels, shift_labels=shift_labels, ignore_index=ignore_index, reduction="none"
+            )
+            target = shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+            mask = (target != ignore_index).to(per_token.device)
+            per_token = per_token.reshape(mask.shape)
+            self._fused.update(per_token=per_token, mask=mask, shifted_here=shift_labels is None)
+            count = mask.sum().clamp_min(1) if num_items is None else num_items
+            if torch.is_tensor(count):
+                count = count.to(per_token.device)
+            return per_token.sum() / count
         return self.loss_from_hidden(
             hidden,
             labels,
@@ -255,8 +407,15 @@ class MidxLMHead(nn.Module):
         num_items_in_batch: torch.Tensor | int | None = None,
         ignore_index: int = -100,
         exact: bool = False,
+        reduction: str | None = None,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The causal-LM loss from the head's input hidden states, with ``ForCausalLMLoss`` semantics.
+
+        The sampled path reads nothing back to the host (labels are range-checked on the device) and
+        keeps this call's step data (``last_queries``, the batch for :meth:`last_batch_exact_loss`, the
+        finiteness record); the exact path checks the labels with a ``ValueError``.
 
         Args:
             hidden: (B, S, D) (or (N, D)) hidden states the model passed to the head.
@@ -266,8 +425,12 @@ class MidxLMHead(nn.Module):
             num_items_in_batch: if given, the loss is the sum over tokens divided by this count
                 (the Trainer's gradient-accumulation normalization); otherwise the mean.
             exact: full softmax (exact, chunked) instead of the sampled softmax.
+            reduction: "none" for the (N,) float32 per-token losses (0 at ignored tokens); by default
+                "sum" with ``num_items_in_batch``, else "mean".
+            weight, bias: the full (V, D) weight and (V,) bias to use instead of the head's own, e.g.
+                gathered from shards outside the model's forward.
         Returns:
-            float32 scalar.
+            float32 scalar, or (N,) with ``reduction="none"``.
         """
         if shift_labels is None:
             if labels is None:
@@ -280,13 +443,17 @@ class MidxLMHead(nn.Module):
                 f"The head saw {h.shape[0]} hidden states but the labels give {y.shape[0]} targets; with labels, "
                 "call the model with logits_to_keep=0 (all positions) or pass matching shift_labels."
             )
-        weight, bias = self.weight, self.bias
-        reduction = "mean" if num_items_in_batch is None else "sum"
+        if weight is None:
+            weight, bias = self.weight, self.bias
+        if reduction is None:
+            reduction = "mean" if num_items_in_batch is None else "sum"
         with contextlib.ExitStack() as stack:
             if torch.is_autocast_enabled(h.device.type):
                 # The loss runs in the head weight's precision; autocast would recast inside the kernels.
                 stack.enter_context(torch.autocast(h.device.type, enabled=False))
+            if h.dtype != weight.dtype:
                 h = h.to(weight.dtype)
+            raw = h
             if self.logit_scale != 1.0:
                 h = h * self.logit_scale
                 bias = None if bias is None else bias * self.logit_scale
@@ -302,11 +469,12 @@ class MidxLMHead(nn.Module):
                 )
             else:
                 cfg = self.config
+                sampler = self._sampler_on(weight.device)
                 loss = sampled_softmax_loss(
                     h,
                     weight,
                     y,
-                    self._sampler_on(weight.device),
+                    sampler,
                     cfg.num_samples,
                     bias=bias,
                     negatives=cfg.negatives,
@@ -314,23 +482,94 @@ class MidxLMHead(nn.Module):
                     remove_accidental_hits=cfg.remove_accidental_hits,
                     reduction=reduction,
                     logit_softcap=self.logit_softcap,
+                    check_labels=False,
+                    estimator=cfg.estimator,
+                    exact_ids=sampler.excluded,  # the exact head, kept on the sampler's device
                 )
-                self._keep_queries(h, y, ignore_index)
-        if num_items_in_batch is not None:
+                self._keep_step_data(raw, y, ignore_index, loss)
+        if num_items_in_batch is not None and reduction != "none":
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)
             loss = loss / num_items_in_batch
         return loss
 
-    @torch.no_grad()
-    def _keep_queries(self, h: torch.Tensor, y: torch.Tensor, ignore_index: int) -> None:
-        q = h.detach()[y != ignore_index]
-        k = self.config.kl_queries
-        if q.shape[0] > k:  # k evenly spaced tokens of the batch
-            q = q[torch.linspace(0, q.shape[0] - 1, k, device=q.device).long()]
-        self.last_queries = q.float().clone()
+    # ------------------------------------------------------------------ per-step side data
+    def clear_step_data(self) -> None:
+        """Forget the kept queries, batch and finiteness record (the callback does this at train start)."""
+        self.last_queries: torch.Tensor | None = None
+        self._last_batch: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._first_bad: torch.Tensor | None = None  # (2,) int64: [call index or -1, cause code]
+        self.call_counter: torch.Tensor | None = None
 
-    # ------------------------------------------------------------------ wrap / unwrap / find
+    @property
+    def sampled_calls(self) -> int:
+        """Sampled-loss calls since :meth:`clear_step_data`; reads the device counter (a sync)."""
+        return 0 if self.call_counter is None else int(self.call_counter)
+
+    @torch.no_grad()
+    def _keep_step_data(self, h: torch.Tensor, y: torch.Tensor, ignore_index: int, loss: torch.Tensor) -> None:
+        """Keep this call's queries, batch and finiteness on the device: no host sync, static shapes.
+
+        h: (T, D) detached-to-be hidden states in the weight's dtype (before the logit scale); y: (T,).
+        """
+        h = h.detach()
+        valid = y != ignore_index
+        count = valid.sum()
+        # No token counts: choose among all tokens (their hidden states are still the model's).
+        valid = valid | (count == 0)
+        count = torch.where(count == 0, torch.full_like(count, y.shape[0]), count)
+        k = min(self.config.kl_queries, y.shape[0])
+        # The j-th chosen token is the (1 + floor(j (count - 1) / (k - 1)))-th non-ignored one; its
+        # position is where the running count of non-ignored tokens first reaches that rank.
+        rank = torch.arange(k, device=h.device) * (count - 1) // max(k - 1, 1) + 1
+        rows = torch.searchsorted(valid.long().cumsum(0), rank).clamp_max(y.shape[0] - 1)
+        self.last_queries = h[rows].float()
+        self._last_batch = (h, y, ignore_index)
+        if self.call_counter is None:
+            self.call_counter = torch.zeros((), dtype=torch.long, device=h.device)
+        self.call_counter.add_(1)
+        hidden_ok = torch.isfinite(h).all()
+        loss_ok = torch.isfinite(loss).all()
+        cause = torch.where(hidden_ok, torch.where(loss_ok, 0, 2), 1).long()
+        first = torch.stack([self.call_counter - 1, cause])
+        if self._first_bad is None:
+            none = torch.stack([cause.new_full((), -1), cause.new_zeros(())])
+            self._first_bad = torch.where(cause > 0, first, none)
+        else:
+            new = (self._first_bad[0] < 0) & (cause > 0)
+            self._first_bad = torch.where(new, first, self._first_bad)
+
+    def first_nonfinite_call(self) -> tuple[int, str] | None:
+        """(index among the sampled calls since :meth:`clear_step_data`, cause) of the first call whose
+        hidden states or loss held NaN/Inf, or None. Reads one small tensor back (a device sync): call it
+        at logging steps, not per micro-batch."""
+        if self._first_bad is None:
+            return None
+        call, cause = (int(v) for v in self._first_bad.tolist())
+        return None if call < 0 else (call, NONFINITE_CAUSES[cause])
+
+    @torch.no_grad()
+    def last_batch_exact_loss(
+        self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The exact (full-softmax) mean loss of the last sampled call's tokens, chunked, no (T, V) tensor.
+
+        Args:
+            weight, bias: the full weight and bias when the head's are sharded (see loss_from_hidden).
+        Returns:
+            float32 scalar, or None before the first sampled call.
+        """
+        if self._last_batch is None:
+            return None
+        h, y, ignore_index = self._last_batch
+        if weight is None:
+            weight, bias = self.weight, self.bias
+        return self.loss_from_hidden(
+            h, None, shift_labels=y, ignore_index=ignore_index, exact=True, weight=weight.detach(),
+            bias=None if bias is None else bias.detach(),
+        )
+
+    # ------------------------------------------------------------------ wrap / unwrap / find (hf_midx.wrap)
     @classmethod
     def wrap(
         cls,
@@ -341,238 +580,32 @@ class MidxLMHead(nn.Module):
         verify: bool = True,
         **overrides,
     ) -> nn.Module:
-        """Replace the model's output layer by a ``MidxLMHead`` (in place); returns the same model.
+        """Replace the model's output layer by a ``MidxLMHead`` (in place); see :func:`hf_midx.wrap.wrap`."""
+        from .wrap import wrap
 
-        Args:
-            model: a causal LM (``AutoModelForCausalLM``), possibly inside a PEFT wrapper, whose
-                ``get_output_embeddings()`` is an ``nn.Linear`` (tied or not, with or without bias).
-            config: the :class:`~hf_midx.MidxConfig`; defaults to ``MidxConfig()``.
-            class_counts: (V,) training-token counts, for the "unigram" (required) and "log-uniform" samplers.
-            verify: run two 8-token forwards in eval mode to check that the head reproduces the model's
-                logits and loss (catches architectures that post-process logits in ways the head does
-                not model); skipped with a warning if the model cannot run on plain ``input_ids``.
-            **overrides: MidxConfig fields to change, e.g. ``num_samples=256``.
-        Raises:
-            ValueError: no usable output layer, already wrapped, ``num_samples`` >= vocabulary size,
-                invalid config values, or a failed verification.
-        """
-        if config is None:
-            config = MidxConfig()
-        if not isinstance(config, MidxConfig):
-            raise ValueError(f"config must be a MidxConfig, got {type(config).__name__}.")
-        if overrides:
-            config = config.replace(**overrides)
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"wrap needs a torch.nn.Module (a transformers model), got {type(model).__name__}.")
-        if cls.find(model) is not None:
-            raise ValueError(
-                "This model is already wrapped by MidxLMHead; call MidxLMHead.unwrap(model) first to wrap it again."
-            )
-        get_output = getattr(model, "get_output_embeddings", None)
-        if not callable(get_output):
-            raise ValueError(
-                f"{type(model).__name__} has no get_output_embeddings(); wrap a model with a language-model head, "
-                "e.g. AutoModelForCausalLM.from_pretrained(...), not a bare backbone (AutoModel)."
-            )
-        linear = get_output()
-        if linear is None:
-            raise ValueError(
-                f"{type(model).__name__}.get_output_embeddings() returned None: the model has no LM head; load it with "
-                "AutoModelForCausalLM instead of AutoModel."
-            )
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(
-                f"{type(model).__name__}.get_output_embeddings() is a {type(linear).__name__}, not an nn.Linear; "
-                "MidxLMHead wraps a plain linear LM head (apply PEFT adapters to the backbone only, not to lm_head)."
-            )
-        vocab, dim = linear.weight.shape
-        if config.num_samples >= vocab:
-            raise ValueError(
-                f"num_samples={config.num_samples} is not smaller than the vocabulary size {vocab}: sampling buys "
-                f"nothing; lower num_samples (e.g. to {max(1, vocab // 10)}) or train with the full softmax."
-            )
-        host = _find_host(model, linear)
-        loss_fn = host.loss_function
-        if not host.__dict__.get("_loss_function") and getattr(loss_fn, "__name__", "") != "ForCausalLMLoss":
-            raise ValueError(
-                f"{type(host).__name__} computes its loss with {getattr(loss_fn, '__name__', loss_fn)!r}, not the "
-                "causal-LM loss (ForCausalLMLoss); MidxLMHead supports causal language models only."
-            )
-        text_config = host.config.get_text_config() if hasattr(host.config, "get_text_config") else host.config
-        softcap = getattr(text_config, "final_logit_softcapping", None)
-        scale = 1.0
-        if _is_number(getattr(host, "logit_scale", None)):
-            scale *= float(host.logit_scale)  # Cohere
-        if _is_number(getattr(text_config, "logits_scaling", None)):
-            scale /= float(text_config.logits_scaling)  # Granite
-
-        head = cls(
-            linear,
-            config,
-            class_counts=class_counts,
-            logit_softcap=float(softcap) if softcap is not None else None,
-            logit_scale=scale,
-        )
-        # A new Module starts in training mode; the head must follow the model's mode (from_pretrained
-        # returns models in eval mode, whose loss must stay exact until someone calls train()).
-        head.train(linear.training)
-        head.__dict__["_host"] = host
-        try:
-            params = list(inspect.signature(host.forward).parameters.values())
-            positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            head._labels_position = positional.index("labels") if "labels" in positional else None
-        except (TypeError, ValueError):
-            head._labels_position = None
-        _replace_module(model, linear, head)
-        head._had_loss_function = "_loss_function" in host.__dict__
-        if head._had_loss_function:
-            warnings.warn(
-                f"{type(host).__name__} has a custom loss_function; MidxLMHead keeps it for calls in eval mode "
-                "but computes the sampled-softmax cross-entropy in training mode with labels.",
-                stacklevel=2,
-            )
-        head._saved_loss_function = loss_fn
-        host.register_forward_pre_hook(head._before_forward, with_kwargs=True)
-        host.register_forward_hook(head._after_forward, with_kwargs=True, always_call=True)
-        host.loss_function = head._loss_function
-        if verify:
-            try:
-                head._verify(host)
-            except ValueError:
-                cls.unwrap(model)
-                raise
-        return model
+        return wrap(model, config, class_counts=class_counts, verify=verify, **overrides)
 
     @classmethod
     def unwrap(cls, model: nn.Module) -> nn.Module:
-        """Put the original ``nn.Linear`` back (same Parameter objects) and remove every hook (in place).
+        """Put the original ``nn.Linear`` back and remove every hook (in place); see :func:`hf_midx.wrap.unwrap`."""
+        from .wrap import unwrap
 
-        Returns the same model, which then behaves as if it had never been wrapped.
-        """
-        head = cls.find(model)
-        if head is None:
-            raise ValueError("This model has no MidxLMHead to unwrap; MidxLMHead.wrap(model) was not called on it.")
-        host = head._host
-        head._sync_linear()
-        _replace_module(model, head, head.linear)
-        if host is not None:
-            for store in ("_forward_pre_hooks", "_forward_hooks"):
-                hooks = getattr(host, store)
-                for key in [k for k, fn in hooks.items() if getattr(fn, "__self__", None) is head]:
-                    del hooks[key]
-                    for extra in _HOOK_FLAG_STORES:
-                        getattr(host, extra, {}).pop(key, None)
-            if host.__dict__.get("_loss_function") == head._loss_function:
-                if head._had_loss_function:
-                    host._loss_function = head._saved_loss_function
-                else:
-                    del host.__dict__["_loss_function"]
-        head.__dict__["_host"] = None
-        head._hidden = None
-        head.last_queries = None
-        return model
+        return unwrap(model)
 
     @staticmethod
     def find(model: nn.Module) -> "MidxLMHead | None":
-        """The ``MidxLMHead`` inside ``model`` (through PEFT / compile wrappers too), or None."""
-        if not isinstance(model, nn.Module):
-            return None
-        for module in model.modules():
-            if isinstance(module, MidxLMHead):
-                return module
+        """The ``MidxLMHead`` inside ``model`` (through PEFT / compile / FSDP wrappers too), or None."""
+        return find_head(model)
+
+
+def find_head(model: nn.Module) -> MidxLMHead | None:
+    """The ``MidxLMHead`` inside ``model`` (through PEFT / compile / FSDP wrappers too), or None."""
+    if not isinstance(model, nn.Module):
         return None
-
-    # ------------------------------------------------------------------ verification
-    @torch.no_grad()
-    def _verify(self, host: nn.Module) -> None:
-        """Check on 8 tokens that the head's logit transform and loss path reproduce the host's."""
-        modes = [(m, m.training) for m in host.modules()]
-        vocab = self.num_classes
-        try:
-            device = host.get_input_embeddings().weight.device
-        except (AttributeError, NotImplementedError):
-            device = self.weight.device
-        ids = (torch.arange(1, 9, device=device) * 37 % vocab).unsqueeze(0)
-        captured: list[torch.Tensor] = []
-        hook = self.register_forward_hook(lambda mod, args, out: captured.append(args[0]))
-        try:
-            host.eval()
-            try:
-                out = host(input_ids=ids, labels=ids, use_cache=False)
-            except Exception as err:  # the architecture needs more than input_ids; nothing to compare
-                warnings.warn(
-                    f"MidxLMHead could not verify {type(host).__name__} on plain input_ids "
-                    f"({type(err).__name__}: {err}); check the eval loss against the unwrapped model yourself.",
-                    stacklevel=3,
-                )
-                return
-            if not captured or out.logits is None or out.logits.shape[-1] != vocab:
-                raise ValueError(
-                    f"{type(host).__name__}'s forward did not return the head's logits; MidxLMHead cannot wrap it."
-                )
-            logits = out.logits.float()
-            bias = None if self.bias is None else self.bias.float() * self.logit_scale
-            z = F.linear(captured[0].float() * self.logit_scale, self.weight.float(), bias)
-            if self.logit_softcap is not None:
-                z = self.logit_softcap * torch.tanh(z / self.logit_softcap)
-            tol = 1e-4 if self.weight.dtype == torch.float32 else 3e-2
-            err = float((z - logits).abs().max()) / max(float(logits.abs().max()), 1e-6)
-            if err > tol:
-                raise ValueError(
-                    f"{type(host).__name__} transforms the LM head's output in a way MidxLMHead does not model "
-                    f"(relative logit difference {err:.2e}); it cannot be wrapped."
-                )
-            with self.exact_loss_only():
-                try:
-                    out_exact = host(input_ids=ids, labels=ids, use_cache=False)
-                except Exception as err:
-                    raise ValueError(
-                        f"{type(host).__name__} does not compute its loss through self.loss_function "
-                        f"({type(err).__name__}: {err}); MidxLMHead cannot take over its loss."
-                    ) from err
-            loss, loss_exact = out.loss, out_exact.loss
-            if loss is None or loss_exact is None or out_exact.logits.shape[-1] != 0:
-                raise ValueError(
-                    f"{type(host).__name__} does not compute its loss through self.loss_function; "
-                    "MidxLMHead cannot take over its loss."
-                )
-            rel = abs(float(loss_exact) - float(loss)) / max(abs(float(loss)), 1e-6)
-            if rel > tol and not self._had_loss_function:  # a custom loss may differ on purpose
-                raise ValueError(
-                    f"{type(host).__name__}: the head's exact loss {float(loss_exact):.6f} differs from the model's "
-                    f"{float(loss):.6f}; the model's loss is not the causal-LM cross-entropy MidxLMHead reproduces."
-                )
-        finally:
-            hook.remove()
-            self._mode, self._hidden = _FULL, None
-            for module, training in modes:
-                module.training = training
-
-
-def _find_host(model: nn.Module, linear: nn.Linear) -> nn.Module:
-    """The innermost-first ``PreTrainedModel`` whose ``get_output_embeddings()`` is ``linear``."""
-    from transformers import PreTrainedModel
-
     for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            try:
-                if module.get_output_embeddings() is linear:
-                    return module
-            except (AttributeError, NotImplementedError):
-                continue
-    raise ValueError(
-        f"Could not find the transformers PreTrainedModel that owns the LM head inside {type(model).__name__}; "
-        "wrap a transformers causal LM (or a PEFT model around one)."
-    )
+        if isinstance(module, MidxLMHead):
+            return module
+    return None
 
 
-def _replace_module(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
-    """Set every attribute of ``root``'s submodules that holds ``old`` to ``new``."""
-    found = False
-    for parent in list(root.modules()):
-        for name, child in list(parent._modules.items()):
-            if child is old:
-                setattr(parent, name, new)
-                found = True
-    if not found:
-        raise ValueError(f"The output layer {type(old).__name__} is not a submodule of {type(root).__name__}.")
+__all__ = ["MidxFusedOutput", "MidxLMHead", "find_head"]

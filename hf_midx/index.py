@@ -56,6 +56,7 @@ class MidxIndex:
         kmeans_backend: str = "torch",
         init: tuple[torch.Tensor, torch.Tensor] | None = None,
         seed: int = 0,
+        check: bool = True,
     ) -> "MidxIndex":
         """Quantize (V, D) ``embeddings`` with two K-codeword codebooks and index the classes.
 
@@ -66,8 +67,10 @@ class MidxIndex:
             kmeans_iters: Lloyd iterations per codebook.
             kmeans_backend: "torch" or "faiss".
             init: optional previous codebooks to warm-start k-means.
+            check: scan ``embeddings`` for NaN/Inf (a pass over V x D and a host sync); False when the
+                caller has (a sampler's refresh validates the weight once).
         """
-        check_matrix("embeddings", embeddings)
+        check_matrix("embeddings", embeddings, finite=check)
         check_positive_int("codebook_size", codebook_size)
         check_positive_int("kmeans_iters", kmeans_iters, minimum=0)
         if init is not None:
@@ -76,15 +79,25 @@ class MidxIndex:
             if tuple(tuple(c.shape) for c in init) != want:
                 init = None  # the size changed (new vocab or K): start k-means afresh
         result = quantizers.train_quantizer(
-            quantizer, embeddings, codebook_size, iters=kmeans_iters, init=init, seed=seed, backend=kmeans_backend
+            quantizer,
+            embeddings,
+            codebook_size,
+            iters=kmeans_iters,
+            init=init,
+            seed=seed,
+            backend=kmeans_backend,
+            check=False,  # checked above
         )
         return cls(
             quantizer, result.codebooks, result.codes, kmeans_iters=kmeans_iters, kmeans_backend=kmeans_backend, seed=seed
         )
 
-    def rebuild(self, embeddings: torch.Tensor) -> None:
-        """Re-run k-means on new (V, D) embeddings, warm-started from the current codebooks (in place)."""
-        check_matrix("embeddings", embeddings)
+    def rebuild(self, embeddings: torch.Tensor, *, check: bool = True) -> None:
+        """Re-run k-means on new (V, D) embeddings, warm-started from the current codebooks (in place).
+
+        ``check=False`` skips the NaN/Inf scan of ``embeddings`` for a caller that has done it.
+        """
+        check_matrix("embeddings", embeddings, finite=check)
         new = MidxIndex.build(
             embeddings,
             self.codebook_size,
@@ -93,6 +106,7 @@ class MidxIndex:
             kmeans_backend=self.kmeans_backend,
             init=self.codebooks,
             seed=self.seed,
+            check=False,
         )
         self._set(new.codebooks, new.codes)
 

@@ -1,14 +1,20 @@
 """Sampled-softmax loss with proposal correction, and the exact full-softmax reference.
 
 Shapes: T tokens, D hidden dims, V classes, M negatives per token (per-query mode) or P negatives in
-one pool (shared mode).
+one pool (shared mode), H classes scored exactly for every token (``exact_ids``).
 
-For token t with label y and negatives j ~ Q(. | z_t):
+For token t with label y, negatives j ~ Q(. | z_t) over the classes outside H, and n candidates:
 
-    loss_t = -o_ty + log( exp(o_ty) + sum_j exp(o_tj - log(M * q_tj)) )
+    exact-positive:      loss_t = -o_y + log( sum_{i in H} e^o_i + [y not in H] e^o_y + sum_j e^(o_j - log(n q_j)) )
+    corrected-positive:  the positive, when it is not in H, is one more candidate: o_y - log(n q_y) replaces
+                         o_y in both places and n = M + 1 (Jean et al. 2015; TensorFlow's sampled_softmax_loss)
 
-The positive logit is exact; each negative is corrected by its proposal probability, so the sum
-estimates the partition function without bias. Neither path ever builds a (T, V) tensor.
+With H empty the first form is the paper's estimator (the sum estimates the partition function
+without bias, the positive exact); the second is invariant to n and to the normalization of Q. With
+H the n-scaled tail estimate adds to the exact head mass, so the proposal only has to estimate the
+tail's share of the partition function. Neither path ever builds a (T, V) tensor, and the training
+path reads nothing back to the host: ignored tokens are masked, not removed, so every shape is known
+from the inputs' shapes alone.
 """
 
 from __future__ import annotations
@@ -23,50 +29,64 @@ from .samplers import Sampler
 
 NEGATIVE_MODES = ("per-query", "shared")
 REDUCTIONS = ("mean", "sum", "none")
+#: How the label's logit enters the estimator (see the module docstring).
+ESTIMATORS = ("exact-positive", "corrected-positive")
 
-# Elements of one (chunk, M, D) gather of negative embeddings; bounds the per-query path's memory.
+# Elements of one (chunk, R, D) gather of candidate embeddings; bounds the per-token path's memory.
 _GATHER_ELEMENTS = 1 << 23
 
 
-class _GatheredLogits(torch.autograd.Function):
-    """o[t, m] = hidden[t] . weight[ids[t, m]] without keeping the (T, M, D) gather for backward.
+class _CandidateLogits(torch.autograd.Function):
+    """o[t, r] = hidden[t] . weight[rows[t, r]] and s[t, c] = hidden[t] . weight[common[c]].
 
-    Forward and backward both walk over token chunks, so extra memory is O(chunk * M * D); only
-    hidden, weight and ids are saved. Logits are returned in float32.
+    ``rows`` (T, R) are per-token candidates (the label, its own negatives), ``common`` (C,) are rows
+    every token scores (the exact head, a shared pool). Both parts write one dense (V, D) weight
+    gradient: a second buffer and the sum of the two cost ~45% of a step at V = 131k. The (T, R, D)
+    gather is never kept: forward and backward walk over token chunks, so extra memory is
+    O(chunk R D + T C). Logits are float32.
     """
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, chunk: int) -> torch.Tensor:
-        ctx.save_for_backward(hidden, weight, ids)
+    def forward(ctx, hidden, weight, rows, common, chunk):
+        ctx.save_for_backward(hidden, weight, rows, common)
         ctx.chunk = chunk
-        out = torch.empty(ids.shape, device=hidden.device, dtype=torch.float32)
-        for s in range(0, ids.shape[0], chunk):
-            w = weight[ids[s : s + chunk]]  # (c, M, D)
+        out = torch.empty(rows.shape, device=hidden.device, dtype=torch.float32)
+        for s in range(0, rows.shape[0], chunk):
+            w = weight[rows[s : s + chunk]]  # (c, R, D)
             out[s : s + chunk] = torch.bmm(w, hidden[s : s + chunk].unsqueeze(2)).squeeze(2).float()
-        return out
+        shared = (hidden @ weight[common].t()).float()  # (T, C): one GEMM
+        return out, shared
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        hidden, weight, ids = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_shared):
+        hidden, weight, rows, common = ctx.saved_tensors
         chunk = ctx.chunk
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.zeros_like(hidden) if need_h else None
+        grad_weight = torch.zeros_like(weight) if need_w else None
         g_all = grad_out.to(hidden.dtype)
-        for s in range(0, ids.shape[0], chunk):
-            idx, g = ids[s : s + chunk], g_all[s : s + chunk]  # (c, M)
-            if grad_hidden is not None:
+        for s in range(0, rows.shape[0], chunk):
+            idx, g = rows[s : s + chunk], g_all[s : s + chunk]  # (c, R)
+            if need_h:
                 grad_hidden[s : s + chunk] = torch.bmm(g.unsqueeze(1), weight[idx]).squeeze(1)
-            if grad_weight is not None:
-                contrib = g.unsqueeze(2) * hidden[s : s + chunk].unsqueeze(1)  # (c, M, D)
+            if need_w:
+                contrib = g.unsqueeze(2) * hidden[s : s + chunk].unsqueeze(1)  # (c, R, D)
                 grad_weight.index_add_(0, idx.reshape(-1), contrib.reshape(-1, hidden.shape[1]).to(weight.dtype))
-        return grad_hidden, grad_weight, None, None
+        if common.shape[0]:
+            gs = grad_shared.to(hidden.dtype)  # (T, C)
+            if need_h:
+                grad_hidden += gs @ weight[common]
+            if need_w:
+                grad_weight.index_add_(0, common, (gs.t() @ hidden).to(weight.dtype))
+        return grad_hidden, grad_weight, None, None, None
 
 
 def _softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
-def _validate(hidden, weight, labels, bias, ignore_index, reduction):
+def _validate(hidden, weight, labels, bias, ignore_index, reduction, check_labels):
+    """Shapes and types (no device sync); the label values too when ``check_labels`` (one sync)."""
     check_matrix("hidden", hidden, finite=False)
     check_matrix("weight", weight, dim=hidden.shape[1], finite=False)
     if labels.dim() != 1 or labels.shape[0] != hidden.shape[0]:
@@ -74,23 +94,31 @@ def _validate(hidden, weight, labels, bias, ignore_index, reduction):
             f"labels must have shape (T,) = ({hidden.shape[0]},) to match hidden {tuple(hidden.shape)}, "
             f"got {tuple(labels.shape)}; flatten (batch, seq) first."
         )
-    check_ids("labels", labels, weight.shape[0], ignore_index=ignore_index)
+    if check_labels:
+        check_ids("labels", labels, weight.shape[0], ignore_index=ignore_index)
+    elif not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be an integer tensor, got {getattr(labels, 'dtype', type(labels).__name__)}.")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}.")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}.")
 
 
+def _labels_in_range(labels: torch.Tensor, valid: torch.Tensor, num_classes: int) -> None:
+    """A device-side assertion: fails the step (at the next sync) instead of reading labels back now."""
+    ok = ~valid | ((labels >= 0) & (labels < num_classes))
+    torch._assert_async(ok.all(), f"labels outside [0, {num_classes}) reached the MIDX loss")
+
+
 def _reduce(per_token: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
-    """per_token: (T',) losses of the valid tokens; valid: (T,) bool."""
+    """per_token: (T,) float32, already 0 at ignored tokens; valid: (T,) bool."""
     if reduction == "none":
-        out = per_token.new_zeros(valid.shape)
-        return out.masked_scatter(valid, per_token)
+        return per_token
     total = per_token.sum()
     if reduction == "sum":
         return total
-    # An all-ignored batch gives 0 (with a zero gradient) rather than 0/0.
-    return total / max(int(valid.sum()), 1)
+    # An all-ignored batch gives 0 (with a zero gradient) rather than 0/0; the count stays on the device.
+    return total / valid.sum().clamp_min(1)
 
 
 def sampled_softmax_loss(
@@ -107,79 +135,113 @@ def sampled_softmax_loss(
     reduction: str = "mean",
     logit_softcap: float | None = None,
     generator: torch.Generator | None = None,
+    estimator: str = "exact-positive",
+    exact_ids: torch.Tensor | None = None,
+    check_labels: bool = True,
 ) -> torch.Tensor:
     """Sampled-softmax cross-entropy corrected by the proposal (an estimator of the full loss).
 
     Args:
         hidden: (T, D) final hidden states z_t (any float dtype; autograd flows to it).
         weight: (V, D) class embeddings / LM head weight (autograd flows to the rows touched).
-        labels: (T,) int64 in [0, V), or ``ignore_index``.
-        sampler: the proposal (see :func:`hf_midx.build_sampler`); queried with ``hidden`` detached.
+        labels: (T,) int64 (or int32) in [0, V), or ``ignore_index``.
+        sampler: the proposal (see :func:`hf_midx.build_sampler`); queried with ``hidden`` detached,
+            for every token (ignored ones too: masking instead of compaction keeps shapes static).
         num_samples: M negatives per token ("per-query") or the pool size P ("shared").
         bias: optional (V,) output bias.
         negatives: "per-query" (each token its own M draws from Q(. | z_t), the paper) or "shared"
-            (one pool of P draws from the batch mixture qbar, scored by every token in one matmul;
-            corrected by log(P * qbar)).
+            (one pool of P draws from the mixture qbar of the non-ignored tokens' proposals, scored
+            by every token in one matmul; corrected by log(P * qbar)).
         ignore_index: label value that contributes nothing.
         remove_accidental_hits: drop a negative equal to the token's label from the sum.
         reduction: "mean" over non-ignored tokens, "sum", or "none" ((T,), zeros at ignored tokens).
         logit_softcap: if set, logits become ``cap * tanh(o / cap)`` (Gemma-2) before correction.
         generator: optional RNG for the draws; defaults to the sampler's own.
+        estimator: "exact-positive" (the label's logit enters as is) or "corrected-positive" (a label
+            outside ``exact_ids`` is one more candidate, corrected by its own log q); see the module
+            docstring.
+        exact_ids: optional (H,) int64 class ids scored exactly for every token (one (T, H) matmul);
+            the sampler must never draw them (build it with ``exclude=exact_ids``).
+        check_labels: range-check the labels with a ValueError, which reads them on the host (one
+            device sync). With False a device-side assertion checks them instead (the training path).
     Returns:
         float32 scalar (or (T,) for "none").
     """
-    _validate(hidden, weight, labels, bias, ignore_index, reduction)
+    _validate(hidden, weight, labels, bias, ignore_index, reduction, check_labels)
     check_positive_int("num_samples", num_samples)
     if negatives not in NEGATIVE_MODES:
         raise ValueError(f"negatives must be one of {NEGATIVE_MODES}, got {negatives!r}.")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}.")
     if sampler.num_classes != weight.shape[0]:
         raise ValueError(
             f"The sampler indexes {sampler.num_classes} classes but weight has {weight.shape[0]} rows; "
             "refresh or rebuild the sampler for this head."
         )
+    if exact_ids is not None and (
+        not isinstance(exact_ids, torch.Tensor) or exact_ids.dim() != 1 or exact_ids.is_floating_point()
+    ):
+        raise ValueError("exact_ids must be a 1-D integer tensor of class ids (H,), or None.")
     if hidden.dtype != weight.dtype:
         # e.g. fp32 hidden states from a norm layer against a bf16 head: one dtype for the matmuls.
         hidden = hidden.to(weight.dtype)
+    device = hidden.device
     valid = labels != ignore_index
-    h = hidden[valid]
-    y = labels[valid]
-    if h.shape[0] == 0:
-        # No token counts: a zero that still belongs to the graph (bias included), so backward gives
-        # zero gradients, not None or an "unused tensor" error.
-        zero = (hidden.sum() * 0.0 + weight.sum() * 0.0).float()
-        if bias is not None:
-            zero = zero + (bias.sum() * 0.0).float()
-        return _reduce(zero.reshape(1)[:0], valid, reduction) if reduction == "none" else zero
-
-    # The label's row and the negatives' rows are read in one gather, so backward writes a single
-    # dense (V, D) gradient buffer for the weight (two buffers and their sum cost ~45% of a step).
+    if not check_labels:
+        _labels_in_range(labels, valid, weight.shape[0])
+    # Ignored tokens get label 0: they are scored like any token, then masked out of the reduction.
+    y = torch.where(valid, labels, torch.zeros_like(labels)).long()
+    queries = hidden.detach().float()
+    common = (
+        torch.empty(0, dtype=torch.long, device=device)
+        if exact_ids is None
+        else exact_ids.to(device=device, dtype=torch.long)
+    )
+    num_exact = common.shape[0]
     if negatives == "per-query":
-        ids, log_q = sampler.sample(h, num_samples, generator=generator)
-        rows = torch.cat([y.unsqueeze(1), ids], dim=1)  # (T', 1 + M)
-        chunk = max(1, _GATHER_ELEMENTS // ((num_samples + 1) * h.shape[1]))
-        logits = _GatheredLogits.apply(h, weight, rows, chunk)
-        if bias is not None:
-            logits = logits + bias[rows].float()
+        ids, log_q = sampler.draw(queries, num_samples, generator=generator)  # (T, M)
+        rows = torch.cat([y.unsqueeze(1), ids], dim=1)  # (T, 1 + M)
         hits = ids == y.unsqueeze(1)
     else:
-        ids, log_q = sampler.sample_shared(h, num_samples, generator=generator)
-        n = y.shape[0]
-        rows = torch.cat([y, ids])  # (T' + P,): labels' rows, then the pool's
-        w = weight[rows]
-        pos = (h * w[:n]).sum(-1, keepdim=True)
-        neg = h @ w[n:].t()  # (T', P): one matmul against the pool
-        logits = torch.cat([pos, neg], dim=1).float()
-        if bias is not None:
-            b = bias[rows].float()
-            logits = logits + torch.cat([b[:n].unsqueeze(1), b[n:].expand(n, -1)], dim=1)
-        log_q = log_q.unsqueeze(0)
-        hits = ids.unsqueeze(0) == y.unsqueeze(1)
-    logits = _softcap(logits, logit_softcap)
-    pos = logits[:, 0]
-    neg = logits[:, 1:] - (math.log(num_samples) + log_q)
+        pool, log_qbar = sampler.draw_shared(queries, num_samples, row_weights=valid.float(), generator=generator)
+        rows = y.unsqueeze(1)
+        common = torch.cat([common, pool])
+        log_q = log_qbar.unsqueeze(0)  # (1, P)
+        hits = pool.unsqueeze(0) == y.unsqueeze(1)
+    chunk = max(1, _GATHER_ELEMENTS // (rows.shape[1] * hidden.shape[1]))
+    tok_logits, common_logits = _CandidateLogits.apply(hidden, weight, rows, common, chunk)
+    if bias is not None:
+        tok_logits = tok_logits + bias[rows].float()
+        common_logits = common_logits + bias[common].float()
+    tok_logits = _softcap(tok_logits, logit_softcap)
+    common_logits = _softcap(common_logits, logit_softcap)
+    pos = tok_logits[:, 0]
+    neg = tok_logits[:, 1:] if negatives == "per-query" else common_logits[:, num_exact:]
+    head = common_logits[:, :num_exact]  # (T, H)
+
+    # A label inside the exact head is already one of the head's terms.
+    in_head = torch.isin(y, common[:num_exact]) if num_exact else torch.zeros_like(valid)
+    n = torch.full(y.shape, float(num_samples), device=device)
+    if estimator == "corrected-positive":
+        if negatives == "per-query":
+            log_q_pos = sampler.score(queries, y.unsqueeze(1)).squeeze(1)
+        else:
+            log_q_pos = sampler.score_shared(queries, y, row_weights=valid.float())
+        n = n + (~in_head).float()
+        pos_term = pos - (n.log() + log_q_pos)
+        # A label the proposal cannot draw (log q = -inf, e.g. inside H) keeps its exact logit.
+        pos_term = torch.where(torch.isfinite(log_q_pos), pos_term, pos)
+        target = torch.where(in_head, pos, pos_term)
+    else:
+        pos_term = pos
+        target = pos
+    neg = neg - (n.log().unsqueeze(1) + log_q)
     if remove_accidental_hits:
         neg = neg.masked_fill(hits, -math.inf)
-    per_token = torch.logsumexp(torch.cat([pos.unsqueeze(1), neg], dim=1), dim=1) - pos
+    pos_term = pos_term.masked_fill(in_head, -math.inf)
+    terms = torch.cat([head, pos_term.unsqueeze(1), neg], dim=1)
+    per_token = torch.logsumexp(terms, dim=1) - target
+    per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
     return _reduce(per_token, valid, reduction)
 
 
@@ -193,6 +255,7 @@ def full_softmax_loss(
     reduction: str = "mean",
     logit_softcap: float | None = None,
     chunk_size: int | None = None,
+    check_labels: bool = True,
 ) -> torch.Tensor:
     """Exact cross-entropy of ``hidden @ weight.T (+ bias)`` without materializing the (T, V) logits.
 
@@ -202,10 +265,14 @@ def full_softmax_loss(
     Args:
         hidden: (T, D); weight: (V, D); labels: (T,) int64 or ``ignore_index``; bias: optional (V,).
         chunk_size: tokens per chunk (default: about 2^24 logits a chunk, 64 to 1024 tokens).
+        check_labels: range-check the labels with a ValueError (one device sync); with False a
+            device-side assertion checks them instead.
     Returns:
         float32 scalar ("mean"/"sum") or (T,) ("none").
     """
-    _validate(hidden, weight, labels, bias, ignore_index, reduction)
+    _validate(hidden, weight, labels, bias, ignore_index, reduction, check_labels)
+    if not check_labels:
+        _labels_in_range(labels, labels != ignore_index, weight.shape[0])
     labels = labels.long()  # cross_entropy (and the chunked path) need int64 targets; int32 ids are common
     if logit_softcap is None and hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
         # float32 inputs: torch reduces inside its chunked kernel ("sum": no per-token backward
@@ -232,7 +299,7 @@ def full_softmax_loss(
     total = per_token.sum()  # a no-op on the fused sum (0-dim)
     if reduction == "sum":
         return total
-    return total / max(int((labels != ignore_index).sum()), 1)
+    return total / (labels != ignore_index).sum().clamp_min(1)
 
 
 def _token_chunk(num_classes: int, chunk_size: int | None) -> int:

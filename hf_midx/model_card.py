@@ -4,13 +4,18 @@ The template is ``model_cards/midx_model_card.md`` at the repository's top level
 inside the package as ``hf_midx.model_cards`` (see pyproject.toml) and rendered with ``huggingface_hub.ModelCard.from_template``.
 :class:`hf_midx.MidxTrainer` writes the card as ``README.md`` from ``save_model``, ``create_model_card`` and
 ``push_to_hub``; :func:`render_model_card` is usable on its own.
+
+The metadata are ``huggingface_hub.ModelCardData`` fields, as on Hub cards: ``datasets`` (Hub dataset ids),
+``metrics`` and the ``model-index`` evaluation results (:class:`huggingface_hub.EvalResult`), by default the
+last exact evaluation perplexity on the named dataset. The text names the dataset and links nothing but the
+base model's Hub page.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -18,7 +23,6 @@ from typing import Any
 from ._io import atomic_write
 from .config import MidxConfig
 from .version import __version__
-
 
 
 def _template_path() -> Path:
@@ -117,6 +121,16 @@ def midx_training_facts(
         ),
         "negatives_short": "per token" if config.negatives == "per-query" else "shared by each batch",
         "remove_accidental_hits": config.remove_accidental_hits,
+        "estimator": config.estimator,
+        "exact_head": config.exact_head,
+        "mixture_text": (
+            f"{config.mix_weight:g} x {config.mix_static} + {1 - config.mix_weight:g} x MIDX"
+            if is_midx and config.mix_weight > 0
+            else "none"
+        ),
+        "last_stage": config.last_stage,
+        "ess_last": _round(next((e["midx/ess"] for e in reversed(history) if "midx/ess" in e), None)),
+        "kl_pq_last": _round(next((e["midx/kl_pq"] for e in reversed(history) if "midx/kl_pq" in e), None)),
         "codebooks": config.codebooks,
         "codebooks_text": codebooks_text,
         "refresh_every_steps": config.refresh_every_steps,
@@ -149,6 +163,39 @@ def _versions() -> dict[str, str]:
     return versions
 
 
+def _dataset_name(metadata: Mapping[str, Any]) -> str | None:
+    """The dataset a card's metadata names: a model-index result's dataset, else the first Hub dataset id."""
+    for entry in metadata.get("model-index") or []:
+        for result in entry.get("results") or []:
+            name = (result.get("dataset") or {}).get("name")
+            if name:
+                return str(name)
+    datasets = metadata.get("datasets") or []
+    datasets = [datasets] if isinstance(datasets, str) else list(datasets)
+    return str(datasets[0]) if datasets else None
+
+
+def _default_eval_results(metadata: Mapping[str, Any], dataset_name: str | None, facts: Mapping[str, Any]) -> list:
+    """One model-index result, the last exact evaluation perplexity, when the dataset is known."""
+    from huggingface_hub import EvalResult
+
+    if dataset_name is None or facts["eval_perplexity"] is None or isinstance(facts["eval_perplexity"], str):
+        return []
+    datasets = metadata.get("datasets") or []
+    datasets = [datasets] if isinstance(datasets, str) else list(datasets)
+    return [
+        EvalResult(
+            task_type="text-generation",
+            task_name="Causal language modeling",
+            dataset_type=str(datasets[0]) if datasets else dataset_name,
+            dataset_name=dataset_name,
+            metric_type="perplexity",
+            metric_name="Perplexity (exact full softmax, last evaluation)",
+            metric_value=facts["eval_perplexity"],
+        )
+    ]
+
+
 def render_model_card(
     config: MidxConfig,
     *,
@@ -162,6 +209,10 @@ def render_model_card(
     num_classes: int | None = None,
     library_name: str = "transformers",
     template_path: str | os.PathLike | None = None,
+    dataset_name: str | None = None,
+    eval_results: Sequence[Any] | None = None,
+    throughput: Mapping[str, Any] | None = None,
+    command: str | None = None,
 ):
     """Render the MIDX model card.
 
@@ -179,12 +230,34 @@ def render_model_card(
         num_classes: the vocabulary size V.
         library_name: "transformers" for a full model, "peft" for an adapter saved by a PEFT model.
         template_path: another Jinja template (default :data:`TEMPLATE_PATH`).
+        dataset_name: the training data, named in the text (a Hub dataset's name or a description without
+            paths). Default: the dataset of the metadata's model-index, else its first ``datasets`` id.
+        eval_results: ``huggingface_hub.EvalResult`` entries for the model-index (they replace the
+            metadata's). Default: the last exact evaluation perplexity on ``dataset_name``, if both are known.
+        throughput: label -> value lines shown instead of the throughput the Trainer logged (e.g. one
+            tokens/s figure measured without the evaluations).
+        command: the command that trained the model (launcher included), shown in the card.
     Returns:
         a ``huggingface_hub.ModelCard``; ``card.save(path)`` writes it.
     """
     from huggingface_hub import ModelCard, ModelCardData
 
     meta = dict(metadata or {})
+    facts = midx_training_facts(config, log_history, num_classes=num_classes)
+    if throughput is not None:
+        facts["throughput"] = dict(throughput)
+    if dataset_name is None:
+        dataset_name = _dataset_name(meta)
+    model_index = meta.get("model-index")
+    has_results = bool(model_index) and any(entry.get("results") for entry in model_index)
+    if eval_results is None and not has_results:
+        eval_results = _default_eval_results(meta, dataset_name, facts)
+    if eval_results:
+        meta.pop("model-index", None)  # ModelCardData writes the model-index from eval_results and model_name
+        meta["eval_results"] = list(eval_results)
+        meta["model_name"] = model_name or "model"
+        metrics = [*(meta.get("metrics") or []), *(r.metric_type for r in eval_results)]
+        meta["metrics"] = list(dict.fromkeys(metrics))
     meta["library_name"] = library_name
     meta.setdefault("pipeline_tag", "text-generation")
     if base_model:
@@ -192,8 +265,7 @@ def render_model_card(
     base_model = meta.get("base_model") or None
     all_tags = [*(meta.get("tags") or []), *DEFAULT_TAGS, config.sampler, *tags]
     meta["tags"] = list(dict.fromkeys(str(t) for t in all_tags))
-    model_index = meta.get("model-index")
-    if model_index and not any(entry.get("results") for entry in model_index):
+    if meta.get("model-index") and not any(entry.get("results") for entry in meta["model-index"]):
         meta.pop("model-index")  # a name without results is rejected by the Hub's metadata check
     card_data = ModelCardData(ignore_metadata_errors=True, **meta)
     return ModelCard.from_template(
@@ -201,7 +273,9 @@ def render_model_card(
         template_path=str(template_path or TEMPLATE_PATH),
         model_name=model_name,
         base_model=base_model,
-        midx=midx_training_facts(config, log_history, num_classes=num_classes),
+        dataset_name=dataset_name,
+        command=command,
+        midx=facts,
         hyperparameters=dict(hyperparameters or {}),
         eval_table=eval_table or "",
         versions=_versions(),

@@ -203,16 +203,18 @@ def train_quantizer(
     init: tuple[torch.Tensor, torch.Tensor] | None = None,
     seed: int = 0,
     backend: str = "torch",
+    check: bool = True,
 ) -> TwoLevelCodes:
     """Learn two codebooks of K codewords for (N, D) vectors ``x`` by k-means; O(N K D iters).
 
     Args:
         quantizer: "pq" or "rq".
         init: optional previous codebooks to warm-start both k-means runs.
+        check: scan ``x`` for NaN/Inf (one pass and a host sync); False when the caller has.
     """
     if quantizer not in QUANTIZERS:
         raise ValueError(f"Unknown quantizer {quantizer!r}; choose one of {QUANTIZERS}.")
-    check_matrix("embeddings", x)
+    check_matrix("embeddings", x, finite=check)
     check_positive_int("codebook_size", num_codewords)
     if num_codewords > x.shape[0]:
         raise ValueError(

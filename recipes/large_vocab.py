@@ -16,15 +16,21 @@ run (V = 100,000, 300 steps) takes a few minutes on a CPU.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from lm_data import TokenBlocks, token_counts
-from lm_recipe import (
+if not __package__:  # run as a file (python, torchrun or accelerate launch recipes/large_vocab.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `recipes` is a package
+
+from recipes.lm_data import TokenBlocks, token_counts, word_level_decoder
+from recipes.lm_recipe import (
     ModelArguments,
+    OutputArguments,
     PreparedData,
     RecipeError,
     check_model_arguments,
@@ -39,7 +45,7 @@ from lm_recipe import (
     setup_logging,
     train_and_report,
 )
-from synthetic import ZipfMarkovChain
+from recipes.synthetic import ZipfMarkovChain
 
 
 @dataclass
@@ -67,6 +73,7 @@ def word_tokenizer(vocab_size: int):
 
     backend = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = word_level_decoder()
     return PreTrainedTokenizerFast(tokenizer_object=backend)
 
 
@@ -74,8 +81,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     started = time.perf_counter()
     MidxArguments = midx_arguments()
     defaults = {**recipe_training_defaults("runs/large_vocab"), "max_steps": 300}
-    model_args, syn, midx_args, training_args = parse_arguments(
-        [ModelArguments, SyntheticArguments, MidxArguments], defaults, argv, doc=__doc__
+    model_args, syn, midx_args, output_args, training_args = parse_arguments(
+        [ModelArguments, SyntheticArguments, MidxArguments, OutputArguments], defaults, argv, doc=__doc__
     )
     setup_logging(training_args)
     check_model_arguments(model_args)
@@ -87,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     except ValueError as err:
         raise RecipeError(str(err)) from None
     midx_config = midx_config_from(midx_args, training_args.seed)
-    resume = check_output_and_resume(training_args)
+    resume = check_output_and_resume(training_args, overwrite=output_args.overwrite_output_dir)
     check_push(training_args)
 
     length = syn.seq_len + 1
@@ -137,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         data,
         seq_len=syn.seq_len,
         resume=resume,
+        overwrite=output_args.overwrite_output_dir,
         started=started,
         argv=argv,
     )

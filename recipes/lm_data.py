@@ -64,11 +64,13 @@ def build_word_level_tokenizer(lines: Iterable[str]):
 
     Words are split on whitespace only (``WhitespaceSplit``: "F.C." and "@-@" stay whole), ids are
     ``<unk>`` = 0, ``<eos>`` = 1, then the words by decreasing count (ties alphabetically), so the ids
-    are deterministic and dense. Unknown words map to ``<unk>``. Calling the tokenizer on a line appends
-    ``<eos>`` (a post-processor), as the training stream does; ``<eos>`` is also the pad token.
+    are deterministic and dense. Unknown words map to ``<unk>``. ``<eos>`` marks the end of a line in the
+    training stream (:func:`encode_lines` puts it there); the tokenizer itself adds nothing, so a prompt
+    encodes to its words only and a model generates after them, as with any causal-LM tokenizer.
+    ``<eos>`` is also the bos and pad token. Decoding puts a space before every word (:func:`word_level_decoder`).
     On the full WikiText-2 training split the vocabulary has 33,278 entries.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     counts: Counter[str] = Counter()
@@ -81,8 +83,22 @@ def build_word_level_tokenizer(lines: Iterable[str]):
         vocab[word] = len(vocab)
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.post_processor = processors.TemplateProcessing(single=f"$A {EOS}", special_tokens=[(EOS, vocab[EOS])])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=UNK, eos_token=EOS, pad_token=EOS)
+    backend.decoder = word_level_decoder()
+    # <eos> is also bos and pad, as in the recipe's model config (GPT-2 does the same with <|endoftext|>): the
+    # Trainer then has no special token to align between them. Nothing adds any of them to an encoded text.
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=UNK, eos_token=EOS, bos_token=EOS, pad_token=EOS)
+
+
+def word_level_decoder():
+    """A ``tokenizers`` decoder that writes every word with a space before it (" the city").
+
+    Words split on whitespace carry no space of their own, and text-generation pipelines decode the new
+    tokens apart from the prompt and append them to it: with a space in front of each word the
+    continuation reads "the city is" rather than "the cityis". (WikiText's lines also begin with a space.)
+    """
+    from tokenizers import Regex, decoders
+
+    return decoders.Replace(Regex("^"), " ")
 
 
 def encode_lines(tokenizer, lines: Sequence[str]) -> torch.Tensor:

@@ -12,8 +12,11 @@ A recipe
 
 Nothing is written before step 3 creates the Trainer, so bad input leaves the output directory as it
 was. User errors raise :class:`RecipeError`; :func:`run` prints them as one line on stderr and exits
-with status 2. ``results.json`` is the last file written (atomically) and only after a complete run;
-a stale one from an earlier run in the same directory is removed when training starts.
+with status 2. ``results.json`` is the last file written (atomically) and only after a complete run.
+An output directory that holds a finished run (``results.json``) or an unfinished one (``checkpoint-*``)
+is refused unless ``--overwrite_output_dir`` or ``--resume_from_checkpoint`` says what to do with it;
+then the old ``results.json`` (and, overwriting, the old checkpoints) is removed when training starts.
+Ctrl-C stops with one line naming the last checkpoint (exit status 130).
 """
 
 from __future__ import annotations
@@ -28,20 +31,23 @@ import shlex
 import sys
 import time
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from lm_data import DataError, TokenBlocks, collate_blocks
+from recipes.lm_data import DataError, TokenBlocks, collate_blocks
 
 logger = logging.getLogger("recipes")
 
 #: The model of the paper's language-model experiments: a 2-layer, 4-head decoder-only transformer with
 #: 200-dimensional embeddings and 1024-wide feed-forward layers, input and output embeddings tied.
 PAPER_GPT2 = {"n_embd": 200, "n_layer": 2, "n_head": 4, "n_inner": 1024}
+
+#: Positions of the from-scratch model: GPT-2's 1024, so the exported model generates well past a training block
+#: (positions beyond ``seq_len + 1`` are not trained; a prompt plus new tokens must stay within them).
+GENERATION_POSITIONS = 1024
 
 #: ``--sampler full`` trains without sampling (the plain Trainer and full softmax): the baseline.
 FULL = "full"
@@ -51,6 +57,10 @@ RESULTS_NAME = "results.json"
 
 class RecipeError(Exception):
     """A problem with the user's input; reported as one line on stderr (no traceback), exit status 2."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT) during a recipe; the message says where the last checkpoint is. Exit status 130."""
 
 
 # ---------------------------------------------------------------------- arguments
@@ -71,6 +81,20 @@ class ModelArguments:
         metadata={
             "help": "Override the from-scratch GPT-2 config, e.g. 'n_embd=256,n_layer=4,resid_pdrop=0.2' (the "
             "run_clm.py syntax). Not with --model_name_or_path."
+        },
+    )
+
+
+@dataclass
+class OutputArguments:
+    """What to do with an earlier run in --output_dir."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start over in an --output_dir that holds an earlier run: its results.json and checkpoint-* "
+            "folders are removed when training starts, the other files are replaced. Without it such a directory is "
+            "refused, unless --resume_from_checkpoint continues the run."
         },
     )
 
@@ -108,7 +132,8 @@ def midx_arguments(**defaults: Any) -> type:
             help_text += " Given as JSON, e.g. '{\"rff_temperature\": 2.0}'."
         if f.name == "sampler":
             help_text += f" Or '{FULL}': no sampling, the plain Trainer with the full softmax (the baseline)."
-        specs.append((f.name, kind, field(default=default, metadata={"help": help_text})))
+        # argparse %-formats help strings (for %(default)s): a literal percent sign must be doubled.
+        specs.append((f.name, kind, field(default=default, metadata={"help": help_text.replace("%", "%%")})))
     cls = dataclasses.make_dataclass("MidxArguments", specs)
     cls.__doc__ = "MIDX options (hf_midx.MidxConfig's fields), or --sampler full for the full-softmax baseline."
     return cls
@@ -169,10 +194,24 @@ def parse_arguments(
     parser = _one_line_parser([*dataclass_types, TrainingArguments])
     parser.description = doc
     parser.set_defaults(**training_defaults)
+    if launched_without_gpu():
+        # A torchrun / accelerate launch of several processes on a machine without a GPU: without use_cpu the
+        # Trainer's PartialState finds no GPU backend, so every process trains alone (world size 1).
+        parser.set_defaults(use_cpu=True)
     try:
         return tuple(parser.parse_args_into_dataclasses(args=argv))
     except (ValueError, TypeError) as err:
         raise RecipeError(str(err)) from None
+
+
+def launched_without_gpu() -> bool:
+    """True in one of several processes started by torchrun / accelerate launch on a machine without a GPU.
+
+    Such a launch sets WORLD_SIZE (> 1) and LOCAL_RANK; ``TrainingArguments`` then needs ``use_cpu`` to set up
+    one DDP job over gloo, since accelerate only looks for a CPU process group when told to use the CPU.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return world_size > 1 and "LOCAL_RANK" in os.environ and not torch.cuda.is_available()
 
 
 def recipe_training_defaults(output_dir: str) -> dict[str, Any]:
@@ -192,6 +231,9 @@ def recipe_training_defaults(output_dir: str) -> dict[str, Any]:
         "include_num_input_tokens_seen": True,  # "all" (the flag parses as a bool)
         "dataloader_pin_memory": torch.cuda.is_available(),
         "ddp_find_unused_parameters": False,  # every parameter gets a gradient
+        # Progress bars on a terminal only: redrawn with carriage returns, they would fill a log file
+        # with control characters (the Trainer then prints each log entry as a line instead).
+        "disable_tqdm": not sys.stderr.isatty(),
     }
 
 
@@ -212,10 +254,13 @@ def setup_logging(training_args) -> None:
         transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
 
 
-def check_output_and_resume(training_args) -> str | None:
+def check_output_and_resume(training_args, overwrite: bool = False) -> str | None:
     """Validate ``--output_dir`` and ``--resume_from_checkpoint``; returns the checkpoint to resume or None.
 
-    ``--resume_from_checkpoint last`` (or ``true``) picks the newest ``checkpoint-*`` in output_dir.
+    ``--resume_from_checkpoint last`` (or ``true``) picks the newest ``checkpoint-*`` in output_dir. Without a
+    checkpoint to resume and without ``overwrite`` (``--overwrite_output_dir``), an output_dir holding a
+    finished run (``results.json``) or an unfinished one (``checkpoint-*``) is a RecipeError: the earlier
+    run is left as it is.
     """
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -224,6 +269,19 @@ def check_output_and_resume(training_args) -> str | None:
         raise RecipeError(f"--output_dir {out!r} is a file; give a directory.")
     resume = training_args.resume_from_checkpoint
     if resume is None or resume == "":
+        if not overwrite and os.path.isdir(out):
+            if os.path.exists(os.path.join(out, RESULTS_NAME)):
+                raise RecipeError(
+                    f"--output_dir {out!r} holds a finished run ({RESULTS_NAME}); give another --output_dir, "
+                    "--resume_from_checkpoint last to continue it, or --overwrite_output_dir to replace it."
+                )
+            last = get_last_checkpoint(out)
+            if last is not None:
+                raise RecipeError(
+                    f"--output_dir {out!r} holds an unfinished run ({os.path.basename(last)}); pass "
+                    "--resume_from_checkpoint last to continue it, --overwrite_output_dir to start over, or another "
+                    "--output_dir."
+                )
         return None
     if resume.lower() in ("last", "true"):
         last = get_last_checkpoint(out) if os.path.isdir(out) else None
@@ -241,15 +299,51 @@ def hub_unreachable() -> str | None:
     None also in offline mode (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE): then the caller tries its
     local cache, which fails fast if the files are not there.
     """
-    from huggingface_hub import constants, get_session
+    from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
         return None
+    return _probe_hub()
+
+
+def _probe_hub() -> str | None:
+    """One HEAD request to the Hub endpoint (10 s at most): why it failed, or None."""
+    from huggingface_hub import constants, get_session
+
     try:
         get_session().head(constants.ENDPOINT, timeout=10)
     except Exception as err:  # any transport error means "not reachable"
         return f"{type(err).__name__}: {' '.join(str(err).split())}"
     return None
+
+
+def check_hub_source(name: str | None, flag: str) -> None:
+    """RecipeError now, in one line, if ``name`` (not a local directory) cannot come from the Hub or its cache.
+
+    Without this, an unreachable Hub costs a minute of download retries before the error. Offline
+    (HF_HUB_OFFLINE) only the local cache is used, so the name must be in it.
+    """
+    if not name or os.path.isdir(name):
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        cached = isinstance(try_to_load_from_cache(name, "config.json"), str) or isinstance(
+            try_to_load_from_cache(name, "tokenizer_config.json"), str
+        )
+    except ValueError:  # huggingface_hub's HFValidationError: neither a directory nor a repository id
+        raise RecipeError(f"{flag} {name!r} is not a directory, nor a Hugging Face Hub model id.") from None
+    if constants.HF_HUB_OFFLINE:
+        if not cached:
+            raise RecipeError(
+                f"{flag} {name!r} is not a directory and not in the Hugging Face cache, and HF_HUB_OFFLINE is set; "
+                "give a local model directory or download it first."
+            )
+        return
+    reason = _probe_hub()
+    if reason is not None:
+        hint = "set HF_HUB_OFFLINE=1 to use the cached copy" if cached else "it is not in the local cache either"
+        raise RecipeError(f"{flag} {name!r}: the Hugging Face Hub cannot be reached ({reason[:200]}); {hint}.")
 
 
 def check_push(training_args) -> None:
@@ -312,6 +406,7 @@ def check_model_arguments(model_args: ModelArguments) -> None:
         raise RecipeError(
             "--config_overrides only applies to a model trained from scratch, not with --model_name_or_path."
         )
+    check_hub_source(model_args.model_name_or_path, "--model_name_or_path")
 
 
 def build_model(model_args: ModelArguments, data: PreparedData, seq_len: int):
@@ -331,7 +426,7 @@ def build_model(model_args: ModelArguments, data: PreparedData, seq_len: int):
         eos = data.eos_token_id
         config = GPT2Config(
             vocab_size=data.vocab_size,
-            n_positions=block_len,
+            n_positions=max(block_len, GENERATION_POSITIONS),
             tie_word_embeddings=True,
             bos_token_id=eos,
             eos_token_id=eos,
@@ -373,12 +468,23 @@ def _trainer_classes():
     from hf_midx.trainer import PerplexityMixin
 
     class RecipeCard:
-        """Appends ``recipe_section`` (the recipe's final results) to the card ``create_model_card`` writes."""
+        """The recipe's model card: the Trainer's (transformers' or the MIDX one) with the recipe's exact results.
 
-        recipe_section: str | None = None
+        ``recipe_card`` (set by :func:`train_and_report` once the results are known) holds the MIDX config, the
+        vocabulary size, the ``huggingface_hub.EvalResult`` list and the results section; until then the
+        Trainer's own card is written. The card holds no path of this machine (see :func:`results_markdown`).
+        """
+
+        recipe_card: dict[str, Any] | None = None
         from_scratch = False
 
         def create_model_card(self, *args, **kwargs):
+            if self.recipe_card is None:
+                return super().create_model_card(*args, **kwargs)
+            if not self.is_world_process_zero():
+                return None
+            from hf_midx.model_card import save_model_card
+
             config = self.model.config
             name = getattr(config, "_name_or_path", "")
             if self.from_scratch:
@@ -386,20 +492,50 @@ def _trainer_classes():
                 # and writes "fine-tuned version of []"; a directory makes it say "trained from scratch".
                 config._name_or_path = self.args.output_dir
             try:
-                super().create_model_card(*args, **kwargs)
+                card = self._base_card(**kwargs)
             finally:
                 config._name_or_path = name
-            path = os.path.join(self.args.output_dir, "README.md")
-            if self.recipe_section and self.is_world_process_zero() and os.path.isfile(path):
-                from hf_midx._io import atomic_write
+            info = self.recipe_card
+            card.data.model_name = kwargs.get("model_name") or card.data.model_name or "model"
+            card.data.eval_results = info["eval_results"] or None
+            card.data.metrics = ["perplexity"] if info["eval_results"] else None
+            if kwargs.get("dataset_tags"):
+                card.data.datasets = [kwargs["dataset_tags"]]
+            card.text = card.text.rstrip("\n") + "\n\n" + info["section"]
+            return save_model_card(card, self.args.output_dir)  # atomically: never a card without its results
 
-                with open(path, encoding="utf-8") as f:
-                    card = f.read()
-                # A reader never sees a card without its results section.
-                atomic_write(path, lambda tmp: Path(tmp).write_text(card + "\n" + self.recipe_section, encoding="utf-8"))
+        def _base_card(self, **kwargs):
+            """transformers' card, loaded back as a ``huggingface_hub.ModelCard``."""
+            from huggingface_hub import ModelCard
+
+            super().create_model_card(**kwargs)
+            return ModelCard.load(os.path.join(self.args.output_dir, "README.md"))
 
     class RecipeMidxTrainer(RecipeCard, MidxTrainer):
         """MidxTrainer with the recipe's results in the model card."""
+
+        def _base_card(self, **kwargs):
+            """The MIDX card, rendered from this run's facts; the recipe's section carries the throughput."""
+            from transformers.modelcard import TrainingSummary, make_markdown_table
+
+            from hf_midx.model_card import render_model_card
+
+            info = self.recipe_card
+            tags = kwargs.pop("tags", None)
+            summary = TrainingSummary.from_trainer(self, tags=[tags] if isinstance(tags, str) else tags, **kwargs)
+            return render_model_card(
+                info["midx_config"],
+                metadata=summary.create_metadata(),
+                model_name=summary.model_name,
+                base_model=kwargs.get("finetuned_from"),
+                hyperparameters=summary.hyperparameters,
+                eval_table=make_markdown_table(summary.eval_lines),
+                log_history=self.state.log_history,
+                num_classes=info["vocab_size"],
+                dataset_name=kwargs.get("dataset"),
+                eval_results=info["eval_results"],
+                throughput={},  # one figure, in the recipe's section (tokens/s without the evaluations)
+            )
 
     class FullSoftmaxTrainer(RecipeCard, PerplexityMixin, Trainer):
         """The baseline: the plain Trainer, plus ``<prefix>_perplexity`` in evaluation metrics."""
@@ -493,10 +629,14 @@ def train_and_report(
     resume: str | None,
     started: float,
     argv: Sequence[str] | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Build, train, evaluate, save and (optionally) push; returns what ``results.json`` holds.
 
     ``argv`` (default ``sys.argv[1:]``) is quoted in the model card as the command that made the model.
+    ``overwrite`` (``--overwrite_output_dir``, without ``resume``): the earlier run's ``checkpoint-*`` folders
+    go when training starts, so that none is taken for this run's (``--resume_from_checkpoint last``, the
+    Trainer's rotation of old checkpoints).
 
     Raises RecipeError for problems found before the Trainer exists (model config, head wrapping);
     anything later propagates with its traceback, and no ``results.json`` is written.
@@ -514,6 +654,9 @@ def train_and_report(
             f"--num_processes {training_args.n_gpu} ...`, or use one GPU (CUDA_VISIBLE_DEVICES=0)."
         )
     model = build_model(model_args, data, seq_len)
+    positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if data.tokenizer is not None and positions and data.tokenizer.model_max_length > positions:
+        data.tokenizer.model_max_length = positions  # saved with it: pipelines truncate prompts to what fits
     if midx_config is not None:
         try:
             MidxLMHead.wrap(model, midx_config, class_counts=data.class_counts)
@@ -537,7 +680,11 @@ def train_and_report(
     # Everything is checked; from here on the output directory is written.
     results_path = os.path.join(training_args.output_dir, RESULTS_NAME)
     if training_args.process_index == 0 and os.path.exists(results_path):
-        os.remove(results_path)  # this run replaces it; a failure must not leave the old one claiming success
+        # Only with --overwrite_output_dir or --resume_from_checkpoint (check_output_and_resume refuses
+        # otherwise): this run replaces it, and a failure must not leave the old one claiming success.
+        os.remove(results_path)
+    if training_args.process_index == 0 and overwrite and resume is None:
+        _remove_checkpoints(training_args.output_dir)
     counter = TokenCounter()
     trainer_cls = FullSoftmaxTrainer if midx_config is None else MidxTrainer
     trainer = trainer_cls(
@@ -549,7 +696,10 @@ def train_and_report(
         processing_class=data.tokenizer,
         callbacks=[counter],
     )
-    train_output = trainer.train(resume_from_checkpoint=resume)
+    try:
+        train_output = trainer.train(resume_from_checkpoint=resume)
+    except KeyboardInterrupt:
+        raise Interrupted(_interrupted_message(training_args.output_dir)) from None
     metrics = train_output.metrics
     valid = _split_metrics(trainer, data.valid, "eval")
     test = _split_metrics(trainer, data.test, "test") if data.test is not None else None
@@ -605,7 +755,12 @@ def train_and_report(
         card["model_name"] = training_args.hub_model_id.split("/")[-1]
     if model_args.model_name_or_path and not os.path.isdir(model_args.model_name_or_path):
         card["finetuned_from"] = model_args.model_name_or_path
-    trainer.recipe_section = results_markdown(results, sys.argv[1:] if argv is None else argv)
+    trainer.recipe_card = {
+        "midx_config": midx_config,
+        "vocab_size": data.vocab_size,
+        "eval_results": eval_results(results, data.card),
+        "section": results_markdown(results, sys.argv[1:] if argv is None else argv, dataset=data.card.get("dataset")),
+    }
     trainer.from_scratch = not model_args.model_name_or_path
     if trainer.is_world_process_zero():
         trainer.create_model_card(**card)
@@ -625,8 +780,57 @@ def train_and_report(
     return results
 
 
-def _command_line(recipe: str, argv: Sequence[str]) -> str:
-    """How this run was started, without secrets (``--hub_token``)."""
+def _checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of the ``checkpoint-N`` folders of ``output_dir``, newest first."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        prefix, _, step = name.partition("-")
+        path = os.path.join(output_dir, name)
+        if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit() and os.path.isdir(path):
+            found.append((int(step), path))
+    return sorted(found, reverse=True)
+
+
+def _remove_checkpoints(output_dir: str) -> None:
+    import shutil
+
+    for _, path in _checkpoints(output_dir):
+        shutil.rmtree(path)
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest ``checkpoint-N`` folder of ``output_dir`` that holds ``trainer_state.json`` (the Trainer writes
+    it last), or None: a checkpoint interrupted while being written is skipped."""
+    for _, path in _checkpoints(output_dir):
+        if os.path.isfile(os.path.join(path, "trainer_state.json")):
+            return path
+    return None
+
+
+def _interrupted_message(output_dir: str) -> str:
+    last = last_complete_checkpoint(output_dir)
+    if last is None:
+        return f"interrupted; no checkpoint was saved in {output_dir!r} yet, so there is nothing to resume."
+    return (
+        f"interrupted; the last checkpoint is {last!r}: continue with the same command plus "
+        "--resume_from_checkpoint last."
+    )
+
+
+def launch_command(recipe: str, argv: Sequence[str], environ: Mapping[str, str] | None = None) -> str:
+    """How this run was started, as a user would type it: ``python``, ``torchrun`` or ``accelerate launch``.
+
+    The launcher is recognised from the environment it gives its processes (accelerate's
+    ``ACCELERATE_MIXED_PRECISION``, torchrun's ``TORCHELASTIC_RUN_ID``); its process counts come from
+    ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``, other launcher flags are not known. ``--hub_token`` is left out, and absolute
+    paths are shown relative to the working directory when inside it, else by their last component, so
+    that a model card holds no path of this machine.
+    """
+    env = os.environ if environ is None else environ
     args, skip = [], False
     for arg in argv:
         if skip:
@@ -635,12 +839,66 @@ def _command_line(recipe: str, argv: Sequence[str]) -> str:
         if arg.replace("-", "_").startswith("__hub_token"):
             skip = "=" not in arg
             continue
-        args.append(arg)
-    return shlex.join(["python", f"recipes/{recipe}.py", *args])
+        args.append(_portable_path(arg))
+    script = f"recipes/{recipe}.py"
+    world = int(env.get("WORLD_SIZE", "1") or 1)
+    local = int(env.get("LOCAL_WORLD_SIZE", str(world)) or world)
+    if "ACCELERATE_MIXED_PRECISION" in env:  # set by every accelerate launch, single process included
+        launcher = ["accelerate", "launch"]
+        if world > 1:
+            launcher += ["--multi_gpu", "--num_processes", str(world)]
+            if world > local:
+                launcher += ["--num_machines", str(world // max(local, 1))]
+    elif "TORCHELASTIC_RUN_ID" in env or "LOCAL_RANK" in env:
+        launcher = ["torchrun", "--nproc_per_node", str(local)]
+        if world > local:
+            launcher += ["--nnodes", str(world // max(local, 1))]
+    else:
+        launcher = ["python"]
+    return shlex.join([*launcher, script, *args])
 
 
-def results_markdown(results: dict[str, Any], argv: Sequence[str] = ()) -> str:
-    """The model-card section with a run's final results (appended to README.md)."""
+def _portable_path(arg: str) -> str:
+    """``arg`` (or the value of ``--flag=value``) without this machine's absolute path."""
+    flag, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    if not os.path.isabs(value):
+        return arg
+    relative = os.path.relpath(value)
+    shown = relative if not relative.startswith("..") else os.path.basename(os.path.normpath(value))
+    return f"{flag}{eq}{shown}" if eq else shown
+
+
+def eval_results(results: dict[str, Any], card: Mapping[str, Any]) -> list:
+    """The model-index entries (``huggingface_hub.EvalResult``) of a run: exact perplexity per split."""
+    from huggingface_hub import EvalResult
+
+    name = card.get("dataset") or "unnamed dataset"
+    entries = []
+    for split, key in (("validation", "valid_perplexity"), ("test", "test_perplexity")):
+        value = results.get(key)
+        if value is None or not math.isfinite(value):
+            continue
+        entries.append(
+            EvalResult(
+                task_type="text-generation",
+                task_name="Causal language modeling",
+                dataset_type=card.get("dataset_tags") or name,
+                dataset_name=name,
+                dataset_config=card.get("dataset_args"),
+                dataset_split=split,
+                metric_type="perplexity",
+                metric_name="Perplexity (exact full softmax)",
+                metric_value=round(float(value), 3),
+            )
+        )
+    return entries
+
+
+def results_markdown(results: dict[str, Any], argv: Sequence[str] = (), dataset: str | None = None) -> str:
+    """The model-card section with a run's final results (appended to README.md); no path of this machine.
+
+    ``dataset`` names the data (default: ``results["data"]["source"]``, which may hold paths).
+    """
     data = results["data"]
     rows = [("validation", data["valid_tokens"], results["valid_loss"], results["valid_perplexity"])]
     if results["test_loss"] is not None:
@@ -663,8 +921,8 @@ def results_markdown(results: dict[str, Any], argv: Sequence[str] = ()) -> str:
             for name, tokens, loss, _ in rows
         ),
         "",
-        f"- Model: {results['model']['source']}, {results['model']['num_parameters']:,} parameters",
-        f"- Data: {data['source']}; vocabulary {data['vocab_size']:,}",
+        f"- Model: {_portable_path(results['model']['source'])}, {results['model']['num_parameters']:,} parameters",
+        f"- Data: {dataset or data['source']}; vocabulary {data['vocab_size']:,}",
         f"- Training: {sampler}; {results['global_step']:,} optimizer steps in {results['train_runtime_s']:.1f} s"
         + (
             ""
@@ -679,7 +937,7 @@ def results_markdown(results: dict[str, Any], argv: Sequence[str] = ()) -> str:
             f"- Optimal perplexity (the corpus' entropy rate): {results['optimal_perplexity']:.2f}; the generating chain "
             f"scores {syn.get('oracle_test_perplexity', math.nan):.2f} on the test blocks"
         )
-    lines += [f"- Command: `{_command_line(results['recipe'], argv)}`", ""]
+    lines += [f"- Command: `{launch_command(results['recipe'], argv)}`", ""]
     return "\n".join(lines)
 
 
@@ -687,13 +945,23 @@ def results_markdown(results: dict[str, Any], argv: Sequence[str] = ()) -> str:
 def run(main: Callable[[Sequence[str] | None], Any], argv: Sequence[str] | None = None) -> None:
     """Run a recipe's ``main``; a RecipeError or DataError becomes one line on stderr and exit status 2.
 
-    In a multi-process launch only the first process prints the line; every process exits with 2.
+    Ctrl-C becomes one line too, naming the last checkpoint (exit status 130, the shell's for SIGINT).
+    In a multi-process launch only the first process prints the line; every process exits with the status.
     """
     try:
         main(argv)
     except (RecipeError, DataError) as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            prog = os.path.basename(sys.argv[0]) or "recipe"
-            message = " ".join(str(err).split())
-            print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        _say("error: " + str(err))
         sys.exit(2)
+    except Interrupted as err:
+        _say(str(err))
+        sys.exit(130)
+    except KeyboardInterrupt:  # outside training (loading data, evaluating, saving)
+        _say("interrupted.")
+        sys.exit(130)
+
+
+def _say(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        prog = os.path.basename(sys.argv[0]) or "recipe"
+        print(f"{prog}: {' '.join(message.split())}", file=sys.stderr, flush=True)

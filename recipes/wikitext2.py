@@ -13,22 +13,28 @@ MIDX-rq with 100 negatives per token and 128 codewords per codebook: the paper's
 [--test_file]; when the Hub cannot be reached and no file is given, a small sample shipped in
 recipes/data/wikitext2_sample (one line says so). The tokenizer is word level, built from the training
 split (33,278 entries on WikiText-2). See lm_data.py for the blocking and lm_recipe.py for what is
-written to --output_dir. Every TrainingArguments flag works.
+written to --output_dir. Every TrainingArguments flag works. Also runs as ``python -m recipes.wikitext2``.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lm_data import TokenBlocks, build_word_level_tokenizer, encode_lines, read_lines, token_counts
-from lm_recipe import (
+if not __package__:  # run as a file (python, torchrun or accelerate launch recipes/wikitext2.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `recipes` is a package
+
+from recipes.lm_data import TokenBlocks, build_word_level_tokenizer, encode_lines, read_lines, token_counts
+from recipes.lm_recipe import (
     ModelArguments,
+    OutputArguments,
     PreparedData,
     RecipeError,
     check_blocks,
+    check_hub_source,
     check_model_arguments,
     check_output_and_resume,
     check_push,
@@ -91,7 +97,8 @@ def load_splits(data_args: DataArguments, is_main: bool) -> tuple[dict[str, list
         if not files["train"] or not files["validation"]:
             raise RecipeError("local data needs both --train_file and --validation_file (--test_file is optional).")
         splits = {name: read_lines(path, what=f"--{name}_file") for name, path in files.items() if path}
-        card = {"dataset": Path(files["train"]).name, "tags": ["word-level"]}
+        names = " / ".join(Path(path).name for path in files.values() if path)
+        card = {"dataset": f"local text files ({names})", "tags": ["word-level"]}
         return splits, "local files " + ", ".join(f"{k}={v}" for k, v in files.items() if v), card
 
     reason = hub_unreachable()
@@ -129,7 +136,7 @@ def load_splits(data_args: DataArguments, is_main: bool) -> tuple[dict[str, list
             "/".join(str(len(lines)) for lines in splits.values()),
         )
     card = {"dataset": "WikiText-2 (sample shipped with hf-midx)", "tags": ["wikitext-2", "word-level"]}
-    return splits, f"the WikiText-2 sample in {SAMPLE_DIR} (Hub unreachable)", card
+    return splits, "the WikiText-2 sample shipped in recipes/data/wikitext2_sample (Hub unreachable)", card
 
 
 def load_tokenizer(data_args: DataArguments, model_args: ModelArguments, train_lines: Sequence[str]):
@@ -148,11 +155,15 @@ def load_tokenizer(data_args: DataArguments, model_args: ModelArguments, train_l
 def main(argv: Sequence[str] | None = None) -> dict:
     started = time.perf_counter()
     MidxArguments = midx_arguments(**MIDX_DEFAULTS)
-    model_args, data_args, midx_args, training_args = parse_arguments(
-        [ModelArguments, DataArguments, MidxArguments], recipe_training_defaults("runs/wikitext2"), argv, doc=__doc__
+    model_args, data_args, midx_args, output_args, training_args = parse_arguments(
+        [ModelArguments, DataArguments, MidxArguments, OutputArguments],
+        recipe_training_defaults("runs/wikitext2"),
+        argv,
+        doc=__doc__,
     )
     setup_logging(training_args)
     check_model_arguments(model_args)
+    check_hub_source(data_args.tokenizer_name, "--tokenizer_name")
     if data_args.seq_len < 1:
         raise RecipeError(f"--seq_len must be >= 1, got {data_args.seq_len}.")
     for name in ("max_train_samples", "max_eval_samples"):
@@ -160,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if value is not None and value < 1:
             raise RecipeError(f"--{name} must be >= 1, got {value}.")
     midx_config = midx_config_from(midx_args, training_args.seed)
-    resume = check_output_and_resume(training_args)
+    resume = check_output_and_resume(training_args, overwrite=output_args.overwrite_output_dir)
     check_push(training_args)
 
     with training_args.main_process_first(desc="loading the data"):
@@ -194,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         data,
         seq_len=seq_len,
         resume=resume,
+        overwrite=output_args.overwrite_output_dir,
         started=started,
         argv=argv,
     )

@@ -24,7 +24,7 @@ from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
 from _models import markov_batches, tiny_model  # noqa: E402
 from hf_midx import MidxConfig, MidxLMHead  # noqa: E402
-from hf_midx.trainer import MidxTrainer  # noqa: E402
+from hf_midx import MidxTrainer  # noqa: E402
 
 VOCAB, SEQ = 256, 16
 
@@ -76,6 +76,8 @@ class CompareAfterRefresh(TrainerCallback):
         equal = {k: gathered_equal(v) for k, v in sync_state(self.trainer).items()}
         kl = torch.tensor([logs["midx/kl"]], dtype=torch.float64)
         equal["logged_kl"] = gathered_equal(kl)
+        exact = torch.tensor([logs["midx/train_loss_exact"]], dtype=torch.float64)
+        equal["logged_train_loss_exact"] = gathered_equal(exact)  # averaged over the ranks' micro-batches
         self.checks.append({"step": state.global_step, "refreshed": "midx/refresh_seconds" in logs, **equal})
 
 

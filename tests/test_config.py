@@ -26,6 +26,8 @@ def test_defaults_are_valid_and_documented():
     assert config.remove_accidental_hits is True and config.seed == 0 and config.sampler_options == {}
     assert config.codebook_learning_rate == 1e-3 and config.kl_weight == 1.0 and config.kl_queries == 64
     assert config.log_kl is True
+    assert config.estimator == "corrected-positive" and config.exact_head == 2048
+    assert config.mix_weight == 0.5 and config.mix_static == "unigram" and config.last_stage == "uniform"
     for f in dataclasses.fields(MidxConfig):
         assert f.metadata.get("help"), f"field {f.name} has no help"
     assert CONFIG_NAME == "midx_config.json"
@@ -67,6 +69,17 @@ def test_every_registered_sampler_is_accepted(name):
         (dict(kl_weight=-1.0), "kl_weight must be a finite number >= 0"),
         (dict(kl_queries=0), "kl_queries must be an integer >= 1"),
         (dict(log_kl=None), "log_kl must be True or False"),
+        (dict(sampler_options={"rff_temperature": 2}), r"\['rff_temperature'\] do not apply to sampler 'midx-rq' "
+         r"\('rff_temperature' belongs to rff\)"),
+        (dict(sampler_options={"quantizer": "pq"}), "'quantizer' belongs to midx-exact"),
+        (dict(sampler="unigram", sampler_options={"lsh_bits": 3}), "'lsh_bits' belongs to lsh"),
+        (dict(sampler_options={"mix_weight": 0.1}), "Set mix_weight as MidxConfig field"),
+        (dict(estimator="biased"), "estimator must be one of"),
+        (dict(exact_head=-1), "exact_head must be an integer >= 0"),
+        (dict(mix_weight=1.0), r"mix_weight must be a number in \[0, 1\)"),
+        (dict(mix_weight="half"), "mix_weight must be a number"),
+        (dict(mix_static="zipf"), "mix_static must be one of"),
+        (dict(last_stage="softmax"), "last_stage must be one of"),
     ],
 )
 def test_invalid_values_raise_value_error(changes, message):
@@ -95,12 +108,27 @@ def test_replace_validates_and_names_unknown_fields():
 
 
 def test_sampler_kwargs_build_a_sampler():
-    config = MidxConfig(codebook_size=4, kmeans_iters=3, seed=5, sampler_options={"quantizer": "pq"})
+    config = MidxConfig(
+        sampler="midx-exact", codebook_size=4, kmeans_iters=3, seed=5, sampler_options={"quantizer": "pq"}
+    )
     kwargs = config.sampler_kwargs()
     assert kwargs == {"codebook_size": 4, "seed": 5, "kmeans_iters": 3, "kmeans_backend": "torch", "quantizer": "pq"}
     assert set(kwargs) - {"codebook_size", "seed"} <= set(SAMPLER_OPTIONS)
     sampler = build_sampler("midx-exact", torch.randn(50, 8), **kwargs)
     assert sampler.quantizer == "pq" and sampler.index.codebook_size == 4
+
+
+def test_sampler_kwargs_pass_each_sampler_only_its_own_options():
+    """The option fields reach only the samplers whose option table lists them; every registered sampler
+    builds from a default config's kwargs (no option of another sampler is passed)."""
+    midx = MidxConfig(mix_weight=0.25, mix_static="uniform", last_stage="frequency").sampler_kwargs()
+    assert midx["mix_weight"] == 0.25 and midx["mix_static"] == "uniform" and midx["last_stage"] == "frequency"
+    counts = torch.arange(50) % 7
+    for name in SAMPLERS:
+        kwargs = MidxConfig(sampler=name, codebook_size=4).sampler_kwargs()
+        assert set(kwargs) - {"codebook_size", "seed"} <= set(SAMPLERS[name].options)
+        build_sampler(name, torch.randn(50, 8), class_counts=counts, **kwargs)
+    assert "mix_weight" not in MidxConfig(sampler="unigram").sampler_kwargs()
 
 
 def test_dict_round_trip():

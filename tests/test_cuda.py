@@ -18,9 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from _models import clone_model, tiny_model
-from hf_midx import SAMPLERS, MidxConfig, MidxLMHead, build_sampler
+from hf_midx import SAMPLERS, MidxConfig, MidxLMHead, MidxTrainer, build_sampler
 from hf_midx.loss import full_softmax_loss, sampled_softmax_loss
-from hf_midx.trainer import MidxTrainer
 from test_head import _LargestTensor
 from test_trainer import VOCAB, RowsDataset, eval_rows, markov_rows, training_args
 
@@ -153,6 +152,8 @@ def test_trainer_bf16_trains_evaluates_exactly_and_exports(tmp_path):
     print(f"[{DEVICE.type} bf16] train loss {losses[0]:.3f} -> {losses[-1]:.3f}; eval {before['eval_loss']:.3f} -> "
           f"{after['eval_loss']:.3f}; refreshes {len(refreshes)}")
     assert all(math.isfinite(x) for x in losses) and len(refreshes) == 5
+    exact = [e["midx/train_loss_exact"] for e in trainer.state.log_history if "loss" in e]
+    assert len(exact) == len(losses) and all(math.isfinite(x) for x in exact)  # the exact loss, logged beside
     assert losses[-1] < losses[0] - 0.5 and after["eval_loss"] < before["eval_loss"] - 0.5
 
     out = tmp_path / "saved"

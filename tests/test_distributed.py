@@ -45,7 +45,8 @@ def test_two_processes_share_the_index_and_draw_their_own_negatives(tmp_path):
     checks = result["checks_after_refresh"]
     assert [c["step"] for c in checks] == [2, 4, 6] and all(c["refreshed"] for c in checks)
     for check in checks:
-        for key in ("codebook1", "codebook2", "codes", "bucket_counts", "order", "offsets", "logged_kl"):
+        keys = ("codebook1", "codebook2", "codes", "bucket_counts", "order", "offsets", "logged_kl")
+        for key in (*keys, "logged_train_loss_exact"):
             assert check[key], f"step {check['step']}: {key} differs between ranks"
         assert check["learned.codebook1"] and check["learned.codebook2"], f"step {check['step']}: learned codebooks"
     assert all(result["final_state_equal"].values()) and result["model_weights_equal"]

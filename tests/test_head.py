@@ -59,11 +59,13 @@ def test_wrap_keeps_keys_ties_and_exact_eval(arch):
     keys = list(model.state_dict().keys())
     linear = model.get_output_embeddings()
     tied = linear.weight is model.get_input_embeddings().weight
+    weight, bias = linear.weight, linear.bias
     MidxLMHead.wrap(model, **SMALL)
     head = MidxLMHead.find(model)
 
     assert isinstance(head, MidxLMHead) and model.get_output_embeddings() is head
-    assert head.linear is linear and head.weight is linear.weight and head.bias is linear.bias
+    assert head.weight is weight and head.bias is bias
+    assert head.linear is linear and linear.weight is None and linear.bias is None  # the head holds them
     assert list(model.state_dict().keys()) == keys
     assert not any("linear" in k or "midx" in k for k in model.state_dict())
     assert (head.weight is model.get_input_embeddings().weight) == tied
@@ -209,8 +211,10 @@ def test_shift_labels_and_ignore_index_match_for_causal_lm_loss():
 
 
 def test_sampled_loss_is_close_to_exact_loss_with_many_samples():
-    # An estimator of the full loss: with many negatives from the near-exact proposal it is close.
-    model, reference = _wrapped("llama", sampler="midx-exact", num_samples=300)
+    # The exact-positive form estimates the full loss: with many negatives from the near-exact proposal
+    # it is close. (The corrected-positive form does not estimate the loss's value: with the exact
+    # proposal every candidate's weight is Z / (M + 1) and the loss is log(M + 1) whatever the model.)
+    model, reference = _wrapped("llama", sampler="midx-exact", num_samples=300, estimator="exact-positive")
     ids = _ids(batch=4)
     model.train()
     reference.train()
@@ -560,17 +564,21 @@ def test_unigram_sampler_needs_class_counts_and_accepts_them():
 
 
 def test_labels_out_of_range_are_named():
+    """Training checks the label range on the device (no host sync; on CPU it raises at once, on CUDA at
+    the next sync); the exact loss checks it on the host and names the value."""
     model, _ = _wrapped("llama")
-    model.train()
+    head = MidxLMHead.find(model)
     ids = _ids()
     labels = ids.clone()
-    labels[1, 7] = VOCAB + 5
-    with pytest.raises(ValueError, match=str(VOCAB + 5)):
-        model(input_ids=ids, labels=labels)
-    assert MidxLMHead.find(model).mode == "full"  # reset after the failed call
-    labels[1, 7] = -3
-    with pytest.raises(ValueError, match="-3"):
-        model(input_ids=ids, labels=labels)
+    for bad in (VOCAB + 5, -3):
+        labels[1, 7] = bad
+        model.train()
+        with pytest.raises(RuntimeError, match=rf"labels outside \[0, {VOCAB}\)"):
+            model(input_ids=ids, labels=labels)
+        assert head.mode == "full"  # reset after the failed call
+        model.eval()
+        with torch.no_grad(), head.exact_loss_only(), pytest.raises(ValueError, match=str(bad)):
+            model(input_ids=ids, labels=labels)
 
 
 def test_logits_to_keep_with_labels_is_explained():

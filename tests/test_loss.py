@@ -18,23 +18,31 @@ V, D = 200, 12
 class FixedDraws(Sampler):
     """A stub proposal that returns given draws: (T, M) ids / log_q per query, (P,) for the pool.
 
-    It lets a test feed the loss and the reference the very same negatives.
+    It lets a test feed the loss and the reference the very same negatives. ``log_q_of`` (V,) gives
+    the log-probability of any class for :meth:`score` (the corrected-positive estimator).
     """
 
     name = "fixed"
 
-    def __init__(self, num_classes, dim, ids, log_q, pool=None, log_qbar=None):
+    def __init__(self, num_classes, dim, ids, log_q, pool=None, log_qbar=None, log_q_of=None):
         super().__init__(torch.zeros(num_classes, dim))
         self.ids, self.log_q, self.pool, self.log_qbar = ids, log_q, pool, log_qbar
+        self.log_q_of = log_q_of
         self.calls = []
 
-    def _sample(self, q, m, gen):
-        self.calls.append(q.clone())
-        return self.ids[: q.shape[0], :m], self.log_q[: q.shape[0], :m]
+    def draw(self, queries, num_samples, generator=None):
+        self.calls.append(queries.clone())
+        return self.ids[: queries.shape[0], :num_samples], self.log_q[: queries.shape[0], :num_samples]
 
-    def _sample_shared(self, q, p, gen):
-        self.calls.append(q.clone())
-        return self.pool[:p], self.log_qbar[:p]
+    def draw_shared(self, queries, num_samples, row_weights=None, generator=None):
+        self.calls.append(queries.clone())
+        return self.pool[:num_samples], self.log_qbar[:num_samples]
+
+    def score(self, queries, ids):
+        return self.log_q_of[ids]
+
+    def score_shared(self, queries, ids, row_weights=None):
+        return self.log_q_of[ids]
 
 
 def _inputs(t=10, *, seed=0, dtype=torch.float32, bias=True):
@@ -104,15 +112,15 @@ def test_per_query_matches_reference(reduction, with_bias, remove):
     hidden, weight, bias, labels = _inputs(bias=with_bias)
     labels[[2, 5]] = -100
     valid = labels != -100
-    ids, log_q = _draws(int(valid.sum()), 16, labels=labels[valid])
+    ids, log_q = _draws(10, 16, labels=labels.clamp_min(0))
     sampler = FixedDraws(V, D, ids, log_q)
     loss = sampled_softmax_loss(hidden, weight, labels, sampler, 16, bias=bias, reduction=reduction,
                                 remove_accidental_hits=remove)
-    ref = reference_loss(hidden, weight, labels, ids, log_q, bias=bias, reduction=reduction,
+    ref = reference_loss(hidden, weight, labels, ids[valid], log_q[valid], bias=bias, reduction=reduction,
                          remove_accidental_hits=remove)
     _compare(loss, ref, (hidden, weight, bias))
-    # The sampler was queried with the non-ignored hidden states, detached.
-    assert torch.equal(sampler.calls[0], hidden.detach()[valid]) and not sampler.calls[0].requires_grad
+    # The sampler was queried with every hidden state (ignored ones are masked, not removed), detached.
+    assert torch.equal(sampler.calls[0], hidden.detach()) and not sampler.calls[0].requires_grad
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -179,13 +187,12 @@ def test_ignored_tokens_change_nothing():
     hidden, weight, bias, labels = _inputs()
     labels[[1, 2, 9]] = -100
     valid = labels != -100
-    sampler = build_sampler("midx-rq", weight.detach(), codebook_size=8)
-    loss = sampled_softmax_loss(hidden, weight, labels, sampler, 8, bias=bias,
-                                generator=torch.Generator().manual_seed(4))
+    ids, log_q = _draws(10, 8, labels=labels.clamp_min(0))
+    loss = sampled_softmax_loss(hidden, weight, labels, FixedDraws(V, D, ids, log_q), 8, bias=bias)
     g_hidden, g_weight, g_bias = _grads(loss, (hidden, weight, bias))
     h_valid = hidden.detach()[valid].clone().requires_grad_(True)
-    loss_valid = sampled_softmax_loss(h_valid, weight, labels[valid], sampler, 8, bias=bias,
-                                      generator=torch.Generator().manual_seed(4))
+    loss_valid = sampled_softmax_loss(h_valid, weight, labels[valid], FixedDraws(V, D, ids[valid], log_q[valid]), 8,
+                                      bias=bias)
     torch.testing.assert_close(loss, loss_valid)
     g_valid, gw_valid, gb_valid = _grads(loss_valid, (h_valid, weight, bias))
     assert bool((g_hidden[~valid] == 0).all())
@@ -396,3 +403,119 @@ def test_frozen_weight_gets_no_gradient_and_hidden_does():
         loss = sampled_softmax_loss(hidden, frozen, labels, sampler, 8, negatives=negatives)
         (g,) = torch.autograd.grad(loss, hidden)
         assert bool(torch.isfinite(g).all()) and float(g.abs().sum()) > 0
+
+
+# ------------------------------------------------------------------------------------------ estimators, exact head
+def general_reference(hidden, weight, labels, ids, log_q, log_q_of, *, bias=None, shared=False, exact_ids=None,
+                      estimator="exact-positive", remove=True, reduction="mean"):
+    """Both estimators with an optional exact head, token by token in float64 from the full logits."""
+    valid = labels != -100
+    logits = hidden.double() @ weight.double().t()
+    if bias is not None:
+        logits = logits + bias.double()
+    head = set() if exact_ids is None else set(exact_ids.tolist())
+    per = []
+    for t in range(labels.shape[0]):
+        if not valid[t]:
+            per.append(logits[t, 0] * 0)
+            continue
+        o, y = logits[t], int(labels[t])
+        negs, lq = (ids, log_q) if shared else (ids[t], log_q[t])
+        corrected = estimator == "corrected-positive" and y not in head
+        n = negs.shape[0] + (1 if corrected else 0)
+        keep = [j for j in range(negs.shape[0]) if not (remove and int(negs[j]) == y)]
+        terms = [o[negs[j]] - math.log(n) - lq[j].double() for j in keep]
+        terms += [o[i] for i in sorted(head)]
+        if y in head:
+            target = o[y]
+        else:
+            target = o[y] - math.log(n) - log_q_of[y].double() if corrected else o[y]
+            terms.append(target)
+        per.append(torch.logsumexp(torch.stack(terms), 0) - target)
+    per = torch.stack(per)
+    if reduction == "none":
+        return per
+    return per.sum() if reduction == "sum" else per.sum() / valid.sum()
+
+
+def _tail_draws(t, m, exact_ids, *, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    tail = torch.tensor([i for i in range(V) if exact_ids is None or i not in set(exact_ids.tolist())])
+    ids = tail[torch.randint(tail.shape[0], (t, m), generator=g)]
+    log_q_of = torch.full((V,), -math.inf)
+    log_q_of[tail] = -math.log(tail.shape[0]) + 0.3 * torch.randn(tail.shape[0], generator=g)
+    return ids, log_q_of[ids], log_q_of
+
+
+@pytest.mark.parametrize("estimator", ["exact-positive", "corrected-positive"])
+@pytest.mark.parametrize("with_head", [False, True])
+@pytest.mark.parametrize("negatives", ["per-query", "shared"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_estimators_with_exact_head_match_reference(estimator, with_head, negatives, reduction):
+    hidden, weight, bias, labels = _inputs(12)
+    labels[3] = -100
+    exact_ids = torch.tensor([0, 5, 17, 33, 99, 150]) if with_head else None
+    if with_head:
+        labels[[0, 1, 2]] = torch.tensor([5, 99, 0])  # labels inside the exact head too
+    ids, log_q, log_q_of = _tail_draws(12, 9, exact_ids)
+    ids[::4, 0] = labels[::4].clamp_min(0)  # accidental hits (a head label's hit cannot happen: ids avoid H)
+    ids = torch.where(torch.isin(ids, exact_ids) if with_head else torch.zeros_like(ids, dtype=torch.bool), 1, ids)
+    log_q = log_q_of[ids]
+    shared = negatives == "shared"
+    sampler = FixedDraws(V, D, ids, log_q, ids[0], log_q[0], log_q_of=log_q_of)
+    loss = sampled_softmax_loss(hidden, weight, labels, sampler, 9, bias=bias, negatives=negatives,
+                                reduction=reduction, estimator=estimator, exact_ids=exact_ids)
+    ref = general_reference(hidden, weight, labels, ids[0] if shared else ids, log_q[0] if shared else log_q,
+                            log_q_of, bias=bias, shared=shared, exact_ids=exact_ids, estimator=estimator,
+                            reduction=reduction)
+    _compare(loss, ref, (hidden, weight, bias))
+
+
+def test_exact_positive_form_reduces_to_the_paper_when_nothing_is_exact():
+    hidden, weight, bias, labels = _inputs()
+    ids, log_q = _draws(10, 7, labels=labels)
+    sampler = FixedDraws(V, D, ids, log_q)
+    a = sampled_softmax_loss(hidden, weight, labels, sampler, 7, bias=bias)
+    b = sampled_softmax_loss(hidden, weight, labels, sampler, 7, bias=bias, exact_ids=torch.empty(0, dtype=torch.long))
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    torch.testing.assert_close(a.double(), reference_loss(hidden, weight, labels, ids, log_q, bias=bias))
+
+
+def test_exact_proposal_with_exact_head_gives_the_full_loss_plus_the_known_term():
+    """With Q the exact softmax of the tail, every corrected term is Z_tail / M: the sum is Z_tail.
+
+    So, keeping accidental hits, loss_t = -o_y + log(Z + [y not in H] e^o_y) exactly, the full
+    cross-entropy plus log(1 + p_y) for tail labels and exactly the full cross-entropy for head labels.
+    """
+    hidden, weight, bias, labels = _inputs(16)
+    exact_ids = torch.arange(0, V, 7)
+    logits = (hidden @ weight.t() + bias).detach()
+    tail = torch.ones(V, dtype=torch.bool)
+    tail[exact_ids] = False
+    log_tail = torch.log_softmax(logits.masked_fill(~tail, -math.inf), dim=1)  # (T, V), -inf on H
+    g = torch.Generator().manual_seed(0)
+    ids = torch.multinomial(log_tail.exp(), 5, replacement=True, generator=g)
+    sampler = FixedDraws(V, D, ids, log_tail.gather(1, ids))
+    loss = sampled_softmax_loss(hidden, weight, labels, sampler, 5, bias=bias, exact_ids=exact_ids,
+                                remove_accidental_hits=False, reduction="none")
+    log_z = torch.logsumexp(logits, 1)
+    o_y = logits.gather(1, labels.unsqueeze(1)).squeeze(1)
+    in_head = torch.isin(labels, exact_ids)
+    want = torch.where(in_head, log_z - o_y, torch.logaddexp(log_z, o_y) - o_y)
+    torch.testing.assert_close(loss.detach(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_estimator_and_bad_exact_ids_are_refused():
+    hidden, weight, bias, labels = _inputs()
+    sampler = build_sampler("uniform", weight.detach())
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        sampled_softmax_loss(hidden, weight, labels, sampler, 4, estimator="tf")
+    with pytest.raises(ValueError, match="exact_ids must be a 1-D integer tensor"):
+        sampled_softmax_loss(hidden, weight, labels, sampler, 4, exact_ids=torch.zeros(2, 2, dtype=torch.long))
+
+
+def test_unchecked_labels_use_a_device_side_assertion():
+    hidden, weight, bias, labels = _inputs()
+    sampler = build_sampler("uniform", weight.detach())
+    with pytest.raises(RuntimeError, match="labels outside"):
+        sampled_softmax_loss(hidden, weight, torch.full((10,), V), sampler, 4, check_labels=False)

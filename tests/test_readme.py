@@ -4,9 +4,11 @@ The fenced ``bash`` blocks are parsed; the test command (after ``<!-- test-comma
 checked for its exact text, since CI runs it. Every other command must be a recipe command; it is run
 offline (on the shipped WikiText-2 sample), with its ``--max_steps`` divided by 100 (at least 1), runs
 under ``runs/`` moved to a temporary folder, local data files replaced by text made here, evaluation
-cut to a few blocks, ``--vocab_size`` capped at 5,000 and, for ``accelerate launch --multi_gpu``
-without enough GPUs, ``--use_cpu`` (several CPU processes). A ``pip install -e .`` before ``&&`` is not
-re-run: the package is already installed where the tests run.
+cut to a few blocks and ``--vocab_size`` capped at 5,000. Launchers (``torchrun``, ``accelerate launch``)
+run as written: on a machine without GPUs the recipe itself makes their processes one DDP job on the CPU
+(``--use_cpu`` is added only where there are GPUs, but fewer than the command's processes), and the test
+checks the world size. The install steps before ``&&`` (PyTorch's CPU build, then
+``pip install -e .``) are checked for their text, not re-run: the package is installed where the tests run.
 """
 
 from __future__ import annotations
@@ -27,10 +29,31 @@ from _env import offline_env
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-sys.path.insert(0, str(REPO / "recipes"))
 
 TEST_COMMAND = 'pip install -e ".[dev]" && python -m pytest -q tests'
+# PyTorch's CPU index as an extra index with a pinned release: its `+cpu` build outranks PyPI's (CUDA) one
+# of the same version, and where only PyPI (or a mirror) is reachable pip still finds the release there.
+# An unpinned `torch` would take the newest release of any index, a CUDA build where PyPI offers one.
+CPU_TORCH = ["pip", "install", "torch==2.13.0", "--extra-index-url", "https://download.pytorch.org/whl/cpu"]
 INSTALL = ["pip", "install", "-e", "."]
+LAUNCHERS = {
+    "python": [sys.executable],
+    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+    "accelerate launch": [sys.executable, "-m", "accelerate.commands.launch"],
+}
+#: The flag that gives a launcher's rendezvous its own port: launches that run at the same time must not
+#: share the default 29500.
+PORT_FLAG = {"torchrun": "--master_port", "accelerate launch": "--main_process_port"}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 SCRIPTS = {"recipes/wikitext2.py", "recipes/large_vocab.py"}
 QUICK = {
     "recipes/wikitext2.py": ["--max_eval_samples", "8"],
@@ -62,6 +85,17 @@ def test_the_test_command_follows_its_marker_on_one_line():
     assert match.group(1).strip().splitlines() == [TEST_COMMAND]
 
 
+def test_first_command_installs_cpu_torch_before_the_package():
+    """A fresh CPU machine gets PyTorch's CPU build first; `pip install -e .` then keeps it (no CUDA wheels)."""
+    first = bash_commands(readme())[0]
+    steps = [shlex.split(part) for part in first.split("&&")]
+    assert steps[0] == CPU_TORCH and steps[1] == INSTALL and steps[2][:2] == ["python", "recipes/wikitext2.py"]
+    assert "With an NVIDIA GPU" in readme().split("## Usage", 1)[0]  # and what a GPU user does instead
+    # CI pins the same CPU build (PyPI stays an index, for machines that only reach PyPI or a mirror).
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    assert "python -m pip install -q " + " ".join(CPU_TORCH[2:]) in ci
+
+
 # ---------------------------------------------------------------------- the recipe commands
 def write_text_files(directory: Path) -> dict[str, Path]:
     import random
@@ -80,15 +114,15 @@ def write_text_files(directory: Path) -> dict[str, Path]:
 def plan(command: str, tmp: Path, files: dict[str, Path]) -> tuple[list[str], str, str]:
     """(argv, output_dir, script) for one README command; fails for a command this test does not cover."""
     parts = [shlex.split(part) for part in command.split("&&")]
-    runs = [p for p in parts if p != INSTALL]
+    runs = [p for p in parts if p not in (INSTALL, CPU_TORCH)]
     assert len(runs) == 1, f"README command not covered by tests/test_readme.py: {command!r}"
     tokens = runs[0]
-    if tokens[0] == "python":
-        launcher, rest = [sys.executable], tokens[1:]
-    elif tokens[:2] == ["accelerate", "launch"]:
-        launcher, rest = [sys.executable, "-m", "accelerate.commands.launch"], tokens[2:]
-    else:
+    name = "accelerate launch" if tokens[:2] == ["accelerate", "launch"] else tokens[0]
+    if name not in LAUNCHERS:
         raise AssertionError(f"README command not covered by tests/test_readme.py: {command!r}")
+    launcher, rest = LAUNCHERS[name], tokens[len(name.split()) :]
+    if name in PORT_FLAG:
+        launcher = [*launcher, PORT_FLAG[name], str(free_port())]
     scripts = [t for t in rest if t in SCRIPTS]
     assert len(scripts) == 1, f"README command runs no recipe: {command!r}"
     at = rest.index(scripts[0])
@@ -114,12 +148,18 @@ def plan(command: str, tmp: Path, files: dict[str, Path]) -> tuple[list[str], st
             continue
         i += 2
     assert out is not None, f"README command without --output_dir: {command!r}"
-    if "--multi_gpu" in launch_args:
-        processes = int(launch_args[launch_args.index("--num_processes") + 1])
-        if torch.cuda.device_count() < processes:
-            new_args.append("--use_cpu")
+    if 0 < torch.cuda.device_count() < world_size(launch_args):
+        new_args.append("--use_cpu")  # a machine with too few GPUs for the command: its processes on the CPU
     argv = [*launcher, *launch_args, str(REPO / scripts[0]), *new_args, *QUICK[scripts[0]]]
     return argv, out, scripts[0]
+
+
+def world_size(argv: list[str]) -> int:
+    """The processes a launcher command starts (1 for python)."""
+    for flag in ("--num_processes", "--nproc_per_node"):
+        if flag in argv:
+            return int(argv[argv.index(flag) + 1])
+    return 1
 
 
 def run_group(
@@ -155,16 +195,17 @@ def test_every_readme_command_runs(tmp_path):
         assert results["complete"] is True and results["test_perplexity"] > 1
         max_steps = int(steps[-1][0][steps[-1][0].index("--max_steps") + 1])
         assert results["global_step"] == max_steps  # the resume command continued to its new max_steps
-        if "--use_cpu" in steps[-1][0]:
-            assert results["world_size"] == 2
+        # One job over all the launched processes (DDP on the CPU here), not several separate trainings.
+        assert results["world_size"] == world_size(steps[-1][0])
+        assert sum(done[-1][1].stdout.count(f"{Path(script).stem} done:") for script in SCRIPTS) == 1
 
 
 # ---------------------------------------------------------------------- the Python usage
 def test_usage_snippet_runs(tmp_path, monkeypatch):
-    from lm_data import TokenBlocks, collate_blocks, token_counts
     from transformers import AutoModelForCausalLM, GPT2Config, TrainingArguments
 
     from hf_midx import MidxLMHead, MidxTrainer
+    from recipes.lm_data import TokenBlocks, collate_blocks, token_counts
 
     snippet = next(b for b in fenced_blocks(readme(), "python") if "MidxLMHead.wrap" in b)
     torch.manual_seed(0)
@@ -216,14 +257,15 @@ def test_sampler_table_lists_the_registry_and_its_option_defaults():
             assert option in params, f"{name} has no option {option}"
             assert ast.literal_eval(default) == params[option], (name, option)
             listed[option] = default
-    # kmeans_iters and kmeans_backend are MidxConfig fields (the config table).
-    assert set(listed) == set(SAMPLER_OPTIONS) - {"kmeans_iters", "kmeans_backend"}
+    # Options that are MidxConfig fields (kmeans_iters, last_stage, ...) are in the config table.
+    from hf_midx.config import _OPTIONS_WITH_FIELDS
+
+    assert set(listed) == set(SAMPLER_OPTIONS) - set(_OPTIONS_WITH_FIELDS)
 
 
 def test_config_table_matches_midx_config_and_the_recipe():
-    import wikitext2
-
     from hf_midx import MidxConfig
+    from recipes import wikitext2
 
     defaults = MidxConfig()
     rows = table_rows("## Main `MidxConfig` fields")

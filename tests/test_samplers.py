@@ -13,6 +13,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from hf_midx.rng import CounterRNG
 from hf_midx import SAMPLERS, build_sampler, kl_to_softmax, quantizers
 from hf_midx.samplers import Sampler
 
@@ -172,7 +173,7 @@ def test_midx_never_draws_an_empty_bucket(name, make_clustered):
     assert int((counts == 0).sum()) > 100  # the case is really exercised
     _, _, _, e2, p1, psi = s._proposal(queries.float())
     for m in (5000, 4):  # the one-search path (M > K/2) and the two-stage path
-        buckets = s._draw_buckets(e2, p1, psi, m, torch.Generator().manual_seed(0))
+        buckets = s._draw_buckets(e2, p1, psi, m, CounterRNG(0))
         assert bool((counts[buckets] > 0).all())
     ids, log_q = s.sample(queries, 5000)
     assert bool(torch.isfinite(log_q).all())

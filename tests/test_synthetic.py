@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-
-from synthetic import ZipfMarkovChain, entropy, zipf_probabilities  # noqa: E402
+from recipes.synthetic import ZipfMarkovChain, entropy, zipf_probabilities
 
 
 def brute_force_entropy_rate(chain: ZipfMarkovChain) -> tuple[float, np.ndarray, np.ndarray]:

@@ -12,6 +12,11 @@ bytes the step allocates). Cases, all on the same inputs:
   ``acc_policy="accurate"``, a yardstick for that choice (torch's own "auto" chunking picked 8-token
   chunks for float32 on CPU in torch 2.13, 20x slower than ``hf``);
 * ``liger``: Liger-Kernel's fused linear CE (only on a GPU with ``liger_kernel`` installed);
+* ``cce``: Cut Cross-Entropy's ``linear_cross_entropy`` (only on a GPU with ``cut_cross_entropy``
+  installed);
+* ``midx-default/per-query`` and ``/shared``: the head as ``MidxConfig()`` configures it (sampler,
+  M, K, estimator and every other default), per-query and with a shared pool of P;
+  ``.../compiled``: the same step under ``torch.compile`` (``--compile``);
 * ``<sampler>/per-query``: ``hf_midx.sampled_softmax_loss`` with M negatives per token (M=20, the
   paper's setting), for midx-rq, midx-pq, uniform and unigram;
 * ``<sampler>/shared``: the same with one pool of P negatives shared by the batch (P=1024).
@@ -21,6 +26,8 @@ next to the FLOP ratio (M + 2K) / V (P + 2K for shared; M or P alone for static 
 ideal for a sampled head. The index build is timed separately.
 
 Run: ``python recipes/benchmarks/bench_head.py --out bench-out [--quick] [--device cpu|cuda]``.
+At the head shapes of real models (bf16, T = 8192 on a GPU):
+``python recipes/benchmarks/bench_head.py --out bench-out --models llama3-8b gemma2-2b qwen2.5-0.5b gemma3-270m``.
 """
 
 from __future__ import annotations
@@ -32,13 +39,23 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+if not __package__:  # run as a file: the repository root holds the `recipes` package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from recipes.benchmarks import common  # noqa: E402
 
 import hf_midx  # noqa: E402
 
 NAME = "bench_head"
 SAMPLED = ("midx-rq", "midx-pq", "uniform", "unigram")
+#: Cases that compute the exact loss.
+EXACT_CASES = ("hf", "torch-chunked", "torch-chunked-512", "liger", "cce")
+#: (V, D) of the output layers of real models (their configs' vocab_size and hidden_size).
+MODEL_SHAPES = {
+    "llama3-8b": (128256, 4096),
+    "gemma2-2b": (256000, 2304),
+    "qwen2.5-0.5b": (151936, 896),
+    "gemma3-270m": (262144, 640),
+}
 TARGETS = (  # (V, minimum speed-up vs hf, minimum memory ratio vs hf or None)
     (131072, 10.0, None),
     (524288, 30.0, 10.0),
@@ -55,6 +72,18 @@ def parse_args(argv=None):
         nargs="+",
         default=None,
         help="V values (default 32768 131072 524288 1048576; quick 8192 32768)",
+    )
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=None,
+        choices=list(MODEL_SHAPES),
+        help="real head shapes (V, D) to run instead of the --dims x --vocab grid (T default 8192 on a GPU)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time the default MIDX head's step under torch.compile (inductor on a GPU, aot_eager on CPU)",
     )
     p.add_argument("--num_samples", type=int, default=20, help="M negatives per token (per-query)")
     p.add_argument("--pool_size", type=int, default=1024, help="P negatives in the shared pool")
@@ -115,15 +144,20 @@ def main(argv=None) -> dict:
         "bfloat16": torch.bfloat16,
     }[args.dtype]
     warmup, repeats = common.repeats_of(args, full=5, quick=1 if args.smoke else 2)
-    t = args.tokens or (256 if args.smoke else 512 if args.quick else 2048)
+    t = args.tokens or (
+        256 if args.smoke else 512 if args.quick else 8192 if args.models and device.type == "cuda" else 2048
+    )
     if args.budget_s is None:
         args.budget_s = 5.0 if args.quick else 60.0
     dims = args.dims or ([64] if args.smoke else [256, 1024] if device.type == "cuda" and not args.quick else [256])
     vocab = args.vocab or ([4096] if args.smoke else [8192, 32768] if args.quick else [32768, 131072, 524288, 1048576])
     if args.smoke:
         args.kmeans_iters = min(args.kmeans_iters, 3)
+    shapes = [MODEL_SHAPES[name] for name in args.models] if args.models else [(v, d) for d in dims for v in vocab]
+    if args.smoke and args.models:
+        shapes = [(max(2048, v // 64), max(32, d // 32)) for v, d in shapes]
     m, pool, k = args.num_samples, args.pool_size, args.codebook_size
-    liger_ce = None
+    liger_ce = cce = None
     if device.type == "cuda":
         try:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # noqa: PLC0415
@@ -131,12 +165,16 @@ def main(argv=None) -> dict:
             liger_ce = LigerFusedLinearCrossEntropyLoss()
         except ImportError:
             print("liger_kernel not installed: the liger case is left out (pip install liger-kernel).")
+        try:
+            from cut_cross_entropy import linear_cross_entropy as cce  # noqa: PLC0415
+        except ImportError:
+            print("cut_cross_entropy not installed: the cce case is left out (pip install cut-cross-entropy).")
     env = common.environment(device)
     settings = common.run_settings(
         args,
         tokens=t,
-        dims=dims,
-        vocab=vocab,
+        shapes=[{"V": v, "D": d} for v, d in shapes],
+        models=args.models,
         num_samples=m,
         pool_size=pool,
         codebook_size=k,
@@ -154,10 +192,9 @@ def main(argv=None) -> dict:
     common.print_header(NAME, env, settings)
 
     rows, builds, results = [], [], []
-    for d in dims:
-        for v in vocab:
-            results += run_size(args, device, dtype, env, t, d, v, m, pool, k, warmup, repeats, liger_ce, rows, builds)
-            common.free_memory(device)
+    for v, d in shapes:
+        results += run_size(args, device, dtype, env, t, d, v, m, pool, k, warmup, repeats, (liger_ce, cce), rows, builds)
+        common.free_memory(device)
 
     targets = check_targets(results)
     payload = {
@@ -177,11 +214,52 @@ def main(argv=None) -> dict:
     return payload
 
 
-def run_size(args, device, dtype, env, t, d, v, m, pool, k, warmup, repeats, liger_ce, rows, builds):
+def _default_head_cases(args, hidden, weight, labels, counts, device, pool):
+    """Cases of the head as ``MidxConfig()`` configures it: a ``MidxLMHead`` over this weight, its
+    ``loss_from_hidden`` (sampler, estimator, exact head and every other default but the seed)."""
+    from torch import nn  # noqa: PLC0415
+
+    def make_head(config):
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        linear.weight = weight  # the benchmark's own Parameter: gradients land where the other cases' do
+        return hf_midx.MidxLMHead(linear, config, class_counts=counts)
+
+    config = hf_midx.MidxConfig(seed=args.seed)
+    t0 = time.perf_counter()
+    head = make_head(config)
+    common.sync(device)
+    build_s = time.perf_counter() - t0
+    cases = []
+    for mode, n in (("per-query", config.num_samples), ("shared", pool)):
+        same = mode == config.negatives and n == config.num_samples
+        head_n = head if same else make_head(config.replace(negatives=mode, num_samples=n))
+
+        def fn(head_n=head_n):
+            return head_n.loss_from_hidden(hidden, None, shift_labels=labels)
+
+        def draw(head_n=head_n, n=n, mode=mode):
+            q = hidden.detach().float()
+            smp = head_n.sampler
+            return smp.draw(q, n) if mode == "per-query" else smp.draw_shared(q, n)
+
+        what = f"MidxConfig() defaults ({config.sampler}), {mode}, {'M' if mode == 'per-query' else 'P'}={n}"
+        # FLOPs against the full head: the candidates, the codeword scores, the exact head.
+        exact = 0 if head_n.exact_ids is None else head_n.exact_ids.numel()
+        ratio = (n + 2 * config.codebook_size + exact) / weight.shape[0]
+        cases.append((f"midx-default/{mode}", what, ratio, fn, draw))
+        if args.compile:
+            backend = "inductor" if device.type == "cuda" else "aot_eager"
+            compiled = torch.compile(fn, fullgraph=True, backend=backend)
+            cases.append((f"midx-default/{mode}/compiled", f"{what}, torch.compile({backend})", ratio, compiled, draw))
+    return cases, build_s
+
+
+def run_size(args, device, dtype, env, t, d, v, m, pool, k, warmup, repeats, exact_kernels, rows, builds):
+    liger_ce, cce = exact_kernels
     gen = torch.Generator().manual_seed(args.seed)
     counts = zipf_counts(v, gen)
     labels = torch.multinomial(counts.float() + 1, t, replacement=True, generator=gen).to(device)
-    weight = (torch.randn(v, d, generator=gen) * d**-0.5).to(device=device, dtype=dtype).requires_grad_()
+    weight = torch.nn.Parameter((torch.randn(v, d, generator=gen) * d**-0.5).to(device=device, dtype=dtype))
     hidden = torch.randn(t, d, generator=gen).to(device=device, dtype=dtype).requires_grad_()
     elt = torch.finfo(dtype).bits // 8
     budget = common.memory_budget_bytes(device, args.max_mem_gb)
@@ -256,6 +334,13 @@ def run_size(args, device, dtype, env, t, d, v, m, pool, k, warmup, repeats, lig
         )
     if liger_ce is not None:
         cases.append(("liger", "LigerFusedLinearCrossEntropyLoss", 0, lambda: liger_ce(weight, hidden, labels)))
+    if cce is not None:
+        cases.append(("cce", "cut_cross_entropy.linear_cross_entropy", 0, lambda: cce(hidden, weight, labels)))
+    default_cases, default_build_s = _default_head_cases(args, hidden, weight, labels, counts, device, pool)
+    print(f"build midx-default: {default_build_s:.2f} s")
+    builds.append({"V": v, "D": d, "sampler": "midx-default", "build_s": default_build_s, "K": None,
+                   "kmeans_iters": None, "kmeans_backend": None})
+    cases += default_cases
     for name, smp in samplers.items():
         extra = 2 * k if name.startswith("midx") else 0
         for mode, n in (("per-query", m), ("shared", pool)):
@@ -366,6 +451,16 @@ def run_size(args, device, dtype, env, t, d, v, m, pool, k, warmup, repeats, lig
             r[f"speedup_vs_{key}"] = base["ms"] / r["ms"] if base else None
             r[f"memory_ratio_vs_{key}"] = base["peak_bytes"] / max(r["peak_bytes"], 1) if base else None
         r["ideal_speedup"] = 1.0 / r["flop_ratio"] if r.get("flop_ratio") else None
+    # The yardstick users compare with: the fastest exact loss of this run, and CCE's memory.
+    exact = [r for r in out if r["case"] in EXACT_CASES and "ms" in r]
+    best = min(exact, key=lambda r: r["ms"]) if exact else None
+    cce_row = next((r for r in exact if r["case"] == "cce"), None)
+    for r in out:
+        if "ms" in r and best is not None:
+            r["fastest_exact"] = best["case"]
+            r["speedup_vs_fastest_exact"] = best["ms"] / r["ms"]
+        if "ms" in r and cce_row is not None:
+            r["extra_bytes_vs_cce"] = r["peak_bytes"] - cce_row["peak_bytes"]
     return out
 
 
@@ -411,6 +506,7 @@ def render_markdown(env, settings, results, builds, targets):
                     "speed": common.fmt_ratio(r.get("speedup_vs_hf")),
                     "mem": common.fmt_ratio(r.get("memory_ratio_vs_hf")),
                     "speed_c": common.fmt_ratio(r.get("speedup_vs_chunked")),
+                    "speed_x": common.fmt_ratio(r.get("speedup_vs_fastest_exact")),
                     "ideal": common.fmt_ratio(r.get("ideal_speedup"), 0),
                 }
             )
@@ -426,6 +522,7 @@ def render_markdown(env, settings, results, builds, targets):
                     ("speed-up vs HF", "speed"),
                     ("memory vs HF", "mem"),
                     ("speed-up vs chunked", "speed_c"),
+                    ("vs fastest exact", "speed_x"),
                     ("ideal (FLOPs)", "ideal"),
                 ],
             )

@@ -12,16 +12,25 @@ On two sets of class embeddings and queries --
 
 every sampler of ``hf_midx.SAMPLERS`` is measured by
 
-* KL(Q || P) (``hf_midx.kl_to_softmax``, mean over S queries) and KL(P || Q), with P the softmax;
+* the coverage diagnostics of ``hf_midx.diagnostics.proposal_diagnostics`` (mean over S queries):
+  KL(Q || P), KL(P || Q), the effective sample size of the importance weights as a fraction of M
+  (analytic, 1 / E_Q[(p/q)^2], and measured on M draws) and P's mass on classes with p/q > 10 (with
+  an exact head, P is the softmax over the tail and the head's mass is reported);
 * the gradient bias of the sampled-softmax loss (M = 20 negatives per token): the relative distance
   ||mean_R grad_sampled - grad_full|| / ||grad_full|| over R independent draws, for the gradient
   w.r.t. the hidden states and w.r.t. the head weight, with the Monte-Carlo noise of that mean
   (``se``) and the bias with the noise removed (``debiased``: sqrt(max(0, d^2 - se^2)));
 
-for the MIDX samplers at K in {8, 16, 32, 64, 128}; k-means codebooks against
+for the MIDX samplers at K in {8, 16, 32, 64, 128} and for the variants of issue 9 (``VARIANTS``:
+defensive mixtures, the frequency last stage, an exact head) at ``--plot_k``; k-means codebooks against
 ``hf_midx.LearnableCodebooks`` trained for ``--learn_steps`` steps (the paper: KL 1.56 -> 1.29 for
 rq); and plots the cumulative sampling distributions (mean over queries) against the softmax, classes
 ordered by training frequency and by softmax probability, like the paper's figures.
+
+With ``--ppl_json FILE`` (a JSON object: sampler or variant name -> exact test perplexity of a training
+run with it, e.g. from compare_samplers), it also reports how well each diagnostic predicts that
+perplexity (Spearman rank correlation over the samplers measured on the trained source) and plots
+each diagnostic against it.
 
 Run: ``python recipes/benchmarks/bench_kl.py --out bench-out [--quick] [--model_dir runs/wikitext2]``.
 """
@@ -36,15 +45,32 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+if not __package__:  # run as a file: the repository root holds the `recipes` package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from recipes.benchmarks import common  # noqa: E402
 
 import hf_midx  # noqa: E402
 from hf_midx import LearnableCodebooks  # noqa: E402
+from hf_midx.diagnostics import proposal_diagnostics  # noqa: E402
 
 NAME = "bench_kl"
 MIDX = ("midx-rq", "midx-pq", "midx-exact")
 PAPER_LEARNED = {"midx-pq": (2.2421, 1.6625), "midx-rq": (1.5551, 1.2905)}  # KL k-means -> learned (PTB, LSTM)
+#: Issue 9's proposals: name -> (sampler, build_sampler options, exact-head size H). Same names as compare_samplers.
+VARIANTS = {
+    "midx-rq-mix": ("midx-rq", {"mix_weight": 0.5, "mix_static": "unigram"}, 0),
+    "midx-rq-mix-uniform": ("midx-rq", {"mix_weight": 0.5, "mix_static": "uniform"}, 0),
+    "midx-rq-frequency": ("midx-rq", {"last_stage": "frequency"}, 0),
+    "midx-rq-frequency-mix": ("midx-rq", {"last_stage": "frequency", "mix_weight": 0.5}, 0),
+    "midx-rq-head2k": ("midx-rq", {"mix_weight": 0.5}, 2048),
+    "midx-rq-head2k-nomix": ("midx-rq", {}, 2048),
+    "midx-rq-head2k-frequency-mix": ("midx-rq", {"last_stage": "frequency", "mix_weight": 0.5}, 2048),
+    "midx-rq-head512": ("midx-rq", {"mix_weight": 0.5}, 512),
+    "midx-rq-head1k": ("midx-rq", {"mix_weight": 0.5}, 1024),
+    "midx-rq-head4k": ("midx-rq", {"mix_weight": 0.5}, 4096),
+    "unigram-head2k": ("unigram", {}, 2048),
+}
+DIAGNOSTICS = ("kl_qp", "kl_pq", "ess", "ess_sampled", "mass_p_over_q_gt_10")
 
 
 def parse_args(argv=None):
@@ -78,7 +104,19 @@ def parse_args(argv=None):
     p.add_argument("--learn_lr", type=float, default=1e-3, help="their learning rate (MidxConfig's default)")
     p.add_argument("--learn_queries", type=int, default=64, help="queries per step in the KL term (kl_queries)")
     p.add_argument("--plot_k", type=int, default=None, help="K of the cumulative-distribution plot (default 32)")
-    p.add_argument("--samplers", nargs="+", default=None, help="default: all of hf_midx.SAMPLERS")
+    p.add_argument(
+        "--samplers", nargs="+", default=None, help="default: all of hf_midx.SAMPLERS and the VARIANTS of issue 9"
+    )
+    p.add_argument(
+        "--estimator",
+        default=None,
+        help="the sampled loss's estimator for the gradient bias (default: MidxConfig's)",
+    )
+    p.add_argument(
+        "--ppl_json",
+        default=None,
+        help="JSON object: sampler/variant name -> test perplexity of a run with it; adds the 'predicts perplexity' table",
+    )
     return common.parse(p, argv)
 
 
@@ -221,6 +259,15 @@ def train_model(args, out_dir: Path, files: dict) -> str:
 
 # ---------------------------------------------------------------------------- measurements
 def build(name: str, weight, counts, k: int, seed: int, rq=None):
+    if name in VARIANTS:
+        base, options, head = VARIANTS[name]
+        exclude = None
+        if head:
+            head = min(head, weight.shape[0] // 4)  # small vocabularies (--quick): a quarter of the classes
+            exclude = torch.sort(torch.argsort(counts.double(), descending=True, stable=True)[:head]).values
+        return hf_midx.build_sampler(
+            base, weight, codebook_size=k, class_counts=counts, seed=seed, exclude=exclude, **options
+        )
     if name == "midx-exact" and rq is not None:
         smp = hf_midx.build_sampler(name, weight, codebook_size=k, seed=seed, kmeans_iters=0)
         state = rq.state_dict()
@@ -233,11 +280,9 @@ def build(name: str, weight, counts, k: int, seed: int, rq=None):
 def measure(smp, src: dict, s_idx, g_idx, log_p, full_grads, args) -> dict:
     weight, queries, labels = src["weight"], src["queries"], src["labels"]
     q = queries[s_idx]
-    kl_qp = float(hf_midx.kl_to_softmax(smp, q, weight))
+    diag = proposal_diagnostics(smp, q, weight, num_samples=args.num_samples)
+    rec = {key: float(value) for key, value in diag.items()}
     log_q = smp.full_log_prob(q)
-    p = log_p.exp()
-    kl_pq = float((p * (log_p - log_q)).sum(1).mean())
-    rec = {"kl_qp": kl_qp, "kl_pq": kl_pq}
     rec.update(grad_bias(smp, weight, queries[g_idx], labels[g_idx], full_grads, args))
     return rec, log_q.exp().mean(0)
 
@@ -257,7 +302,9 @@ def grad_bias(smp, weight, hidden, labels, full, args) -> dict:
     sq = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in full.items()}
     r = args.grad_repeats
     for _ in range(r):
-        loss = hf_midx.sampled_softmax_loss(h, w, labels, smp, args.num_samples)
+        loss = hf_midx.sampled_softmax_loss(
+            h, w, labels, smp, args.num_samples, estimator=args.estimator, exact_ids=smp.excluded
+        )
         gh, gw = torch.autograd.grad(loss, (h, w))
         for key, g in (("hidden", gh), ("weight", gw)):
             g = g.double()
@@ -315,7 +362,7 @@ def run_source(label: str, src: dict, args, samplers, ks) -> dict:
     results, mean_q = [], {}
     mean_p = log_p.exp().mean(0)
     for name in samplers:
-        for k in ks if name in MIDX else [None]:
+        for k in ks if name in MIDX else [args.plot_k if name in VARIANTS else None]:
             t0 = time.perf_counter()
             rq = None
             if name == "midx-exact":
@@ -334,10 +381,11 @@ def run_source(label: str, src: dict, args, samplers, ks) -> dict:
             if name in ("midx-rq", "midx-pq"):
                 rec["distortion"] = smp.index.distortion(weight)
             results.append(rec)
-            if k in (None, args.plot_k):
+            if k is None or k == args.plot_k:
                 mean_q[name] = mq
             print(
                 f"{name:12s} K={k or '-':>4}: KL(Q||P) {rec['kl_qp']:.4f}  KL(P||Q) {rec['kl_pq']:.4f}  "
+                f"ESS {rec['ess']:.3f} (sampled {rec['ess_sampled']:.3f})  p/q>10 mass {rec['mass_p_over_q_gt_10']:.3f}  "
                 f"grad bias hidden {rec['grad_bias_hidden']:.4f} (se {rec['grad_se_hidden']:.4f})  "
                 f"weight {rec['grad_bias_weight']:.4f}"
             )
@@ -395,7 +443,16 @@ def main(argv=None) -> dict:
     args.plot_k = args.plot_k or (32 if 32 in ks else ks[-1])
     if args.learn_k not in ks:
         args.learn_k = ks[-1] if q else args.learn_k
-    samplers = args.samplers or list(hf_midx.SAMPLERS)
+    samplers = args.samplers or [*hf_midx.SAMPLERS, *VARIANTS]
+    unknown = sorted(set(samplers) - set(hf_midx.SAMPLERS) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown sampler(s) {unknown}; choose from {', '.join([*hf_midx.SAMPLERS, *VARIANTS])}.")
+    args.estimator = args.estimator or hf_midx.MidxConfig().estimator
+    ppl = None
+    if args.ppl_json:
+        import json  # noqa: PLC0415
+
+        ppl = json.loads(Path(args.ppl_json).read_text())
     files = common.data_files(args.data_dir)
     source = args.source
     if source == "auto":
@@ -421,6 +478,8 @@ def main(argv=None) -> dict:
         learn_queries=args.learn_queries,
         plot_k=args.plot_k,
         samplers=samplers,
+        estimator=args.estimator,
+        ppl=ppl,
     )
     if source == "train":
         settings.update(
@@ -475,12 +534,87 @@ def main(argv=None) -> dict:
         }
         for s in sources
     }
+    if ppl:
+        payload["predicts_perplexity"] = predictiveness(sources[0], ppl, args.plot_k)
     md = render_markdown(env, settings, sources, ks, samplers)
+    if ppl:
+        md += "\n\n" + predictiveness_markdown(payload["predicts_perplexity"])
     common.write_outputs(args.out, NAME, payload, md)
     if not args.no_plots:
         plot(args.out, sources, ks, samplers, args.plot_k)
+        if ppl:
+            plot_predictiveness(args.out, payload["predicts_perplexity"])
     print(md)
     return payload
+
+
+def _spearman(x: list[float], y: list[float]) -> float | None:
+    """Spearman rank correlation (average ranks for ties); None for fewer than 3 points."""
+    if len(x) < 3:
+        return None
+
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for t in range(i, j + 1):
+                r[order[t]] = (i + j) / 2.0
+            i = j + 1
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sx = math.sqrt(sum((a - mx) ** 2 for a in rx))
+    sy = math.sqrt(sum((b - my) ** 2 for b in ry))
+    return None if sx == 0 or sy == 0 else cov / (sx * sy)
+
+
+def predictiveness(source: dict, ppl: dict, plot_k: int) -> dict:
+    """Each diagnostic (trained source, MIDX at K = plot_k) against the test perplexity of a run with that sampler."""
+    points = {}
+    for r in source["results"]:
+        name = r["sampler"]
+        if name in ppl and r.get("codebooks") != "learned" and r["K"] in (None, plot_k):
+            points[name] = {"test_perplexity": float(ppl[name]), **{d: r[d] for d in DIAGNOSTICS}}
+    names = sorted(points)
+    ys = [math.log(points[n]["test_perplexity"]) for n in names]
+    corr = {}
+    for d in DIAGNOSTICS:
+        xs = [points[n][d] for n in names]
+        # ESS: larger is better, so its correlation with perplexity should be negative; the others positive.
+        corr[d] = _spearman(xs, ys)
+    return {"points": points, "spearman_vs_log_ppl": corr}
+
+
+def predictiveness_markdown(pred: dict) -> str:
+    rows = [
+        {"sampler": n, "ppl": f"{p['test_perplexity']:.1f}", **{d: _f4(p[d]) for d in DIAGNOSTICS}}
+        for n, p in sorted(pred["points"].items(), key=lambda kv: kv[1]["test_perplexity"])
+    ]
+    cols = [("sampler", "sampler"), ("test ppl of its run", "ppl")] + [(d, d) for d in DIAGNOSTICS]
+    corr = pred["spearman_vs_log_ppl"]
+    rows.append({"sampler": "**Spearman vs ppl**", "ppl": "", **{d: "-" if corr[d] is None else f"{corr[d]:+.2f}" for d in DIAGNOSTICS}})
+    return "## Which diagnostic predicts perplexity\n\n" + common.markdown_table(rows, cols)
+
+
+def plot_predictiveness(out_dir, pred: dict) -> None:
+    plt = common.pyplot()
+    fig, axes = plt.subplots(1, len(DIAGNOSTICS), figsize=(4 * len(DIAGNOSTICS), 3.8))
+    for ax, d in zip(axes, DIAGNOSTICS):
+        for name, p in pred["points"].items():
+            ax.scatter([p[d]], [p["test_perplexity"]], label=name)
+            ax.annotate(name, (p[d], p["test_perplexity"]), fontsize=6)
+        c = pred["spearman_vs_log_ppl"][d]
+        ax.set_title(f"{d} (Spearman {'-' if c is None else f'{c:+.2f}'})", fontsize=9)
+        ax.set_xlabel(d)
+        ax.set_ylabel("test perplexity of a run")
+        ax.grid(True, alpha=0.3)
+    common.save_figure(fig, out_dir, f"{NAME}_predicts_ppl.png")
 
 
 def _f4(x: float) -> str:
@@ -505,6 +639,8 @@ def render_markdown(env, settings, sources, ks, samplers):
                     "cb": r.get("codebooks") or "-",
                     "klqp": f"{_f4(r['kl_qp'])}",
                     "klpq": f"{_f4(r['kl_pq'])}",
+                    "ess": f"{_f4(r['ess'])} / {_f4(r['ess_sampled'])}",
+                    "miss": f"{_f4(r['mass_p_over_q_gt_10'])}",
                     "gh": f"{_f4(r['grad_bias_hidden'])} ± {_f4(r['grad_se_hidden'])}",
                     "ghd": f"{_f4(r['grad_bias_hidden_debiased'])}",
                     "gw": f"{_f4(r['grad_bias_weight'])} ± {_f4(r['grad_se_weight'])}",
@@ -520,6 +656,8 @@ def render_markdown(env, settings, sources, ks, samplers):
                     ("codebooks", "cb"),
                     ("KL(Q‖P)", "klqp"),
                     ("KL(P‖Q)", "klpq"),
+                    ("ESS/M analytic / sampled", "ess"),
+                    ("P mass p/q>10", "miss"),
                     ("grad bias, hidden (± MC se)", "gh"),
                     ("hidden, noise removed", "ghd"),
                     ("grad bias, weight (± MC se)", "gw"),

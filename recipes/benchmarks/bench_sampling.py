@@ -1,6 +1,7 @@
 """Sampling time vs number of classes (the paper's "Sampling Time vs #Class"), and index build time.
 
-For every sampler of ``hf_midx.SAMPLERS``, the time of ``sampler.sample(queries, M)`` (M = 100 draws
+For every sampler of ``hf_midx.SAMPLERS`` (and, named with ``--samplers``, the MIDX variants of issue 9 in
+``VARIANTS``: the defensive unigram mixture, the frequency last stage), the time of ``sampler.sample(queries, M)`` (M = 100 draws
 and their log-probabilities for each of T = 256 and T = 2048 queries) as V grows from 10k to 1M,
 with K = 64 codewords. The build (k-means, tables) is not in that time; it is reported on its own,
 for the torch and the faiss k-means and for residual (rq) and product (pq) quantization.
@@ -25,8 +26,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+if not __package__:  # run as a file: the repository root holds the `recipes` package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from recipes.benchmarks import common  # noqa: E402
 
 import hf_midx  # noqa: E402
 from hf_midx import MidxIndex  # noqa: E402
@@ -35,6 +37,11 @@ NAME = "bench_sampling"
 EXHAUSTIVE = ("sphere", "rff", "midx-exact")
 WIKITEXT2_V = 33278
 FLAT_TARGET = 1.3
+#: Issue 9's MIDX variants: name -> (sampler, options); measured beside the registered samplers.
+VARIANTS = {
+    "midx-rq-mix": ("midx-rq", {"mix_weight": 0.5, "mix_static": "unigram"}),
+    "midx-rq-frequency": ("midx-rq", {"last_stage": "frequency"}),
+}
 
 
 def parse_args(argv=None):
@@ -51,7 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=256, help="D")
     p.add_argument("--codebook_size", type=int, default=64, help="K")
     p.add_argument("--kmeans_iters", type=int, default=None, help="Lloyd iterations per codebook (default 20; quick 5)")
-    p.add_argument("--samplers", nargs="+", default=None, help="default: all of hf_midx.SAMPLERS")
+    p.add_argument(
+        "--samplers", nargs="+", default=None, help=f"default: all of hf_midx.SAMPLERS; also {', '.join(VARIANTS)}"
+    )
     p.add_argument(
         "--exhaustive_max_v",
         type=int,
@@ -254,7 +263,8 @@ def build(name, emb, counts, k, args, built):
         state["embeddings"] = emb
         smp.load_state_dict(state)
         return smp
-    opts = {"kmeans_iters": args.kmeans_iters} if name.startswith("midx") else {}
+    name, extra = VARIANTS.get(name, (name, {}))
+    opts = {"kmeans_iters": args.kmeans_iters, **extra} if name.startswith("midx") else {}
     return hf_midx.build_sampler(name, emb, codebook_size=k, class_counts=counts, seed=args.seed, **opts)
 
 

@@ -439,12 +439,12 @@ SAMPLE_DATA_DIR = RECIPES_DIR / "data" / "wikitext2_sample"
 
 
 def import_recipe(name: str):
-    """Import ``recipes/<name>.py``; the recipes import siblings by bare name, so their folder goes on sys.path."""
+    """Import ``recipes/<name>.py`` as ``recipes.<name>`` (the repository root goes on sys.path if needed)."""
     import importlib  # noqa: PLC0415
 
-    if str(RECIPES_DIR) not in sys.path:
-        sys.path.insert(0, str(RECIPES_DIR))
-    return importlib.import_module(name)
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    return importlib.import_module(f"recipes.{name}")
 
 
 def data_files(data_dir: str | Path | None) -> dict[str, Path] | None:

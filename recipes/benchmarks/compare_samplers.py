@@ -21,6 +21,17 @@ training time (evaluation time subtracted, read from the Trainer's log history).
 (Transformer on WikiText-2, 100 epochs with early stopping) are quoted beside ours; at 1 epoch ours
 are far from converged, so compare the ordering, not the values.
 
+Seeds: ``--seeds N`` repeats every equal-epochs run with seeds ``--seed`` .. ``--seed + N - 1`` and
+reports the mean and sample standard deviation of the exact test perplexity (the equal-wall-clock
+runs and the plotted curves use the first seed).
+
+Profiles (``--profile``) fix the settings of issue 9's quality benchmark: ``cpu-quick`` (400 steps of
+the paper's model, the issue's acceptance run, at equal steps; equal wall-clock off) and ``gpu-3epochs``
+(3 epochs, 3 seeds, equal wall-clock on). Both compare the full softmax, the static unigram proposal,
+midx-rq as it was before issue 9 (``midx-rq-paper``: exact positive, no mixture), the current default
+``midx-rq``, each new variant, and the non-sampling ``adaptive-softmax`` (torch's
+``nn.AdaptiveLogSoftmaxWithLoss`` on the same model, trained by ``adaptive_softmax.py``).
+
 Data: ``--data_dir`` (train.txt, valid.txt, test.txt), default ``../shared/data/wikitext-2`` beside the
 repository; without it (and in ``--quick`` unless ``--data_dir`` is given), the small WikiText-2 sample
 shipped in recipes/data (said in the report). ``--quick`` also shrinks the model (d 32, 1 layer), the
@@ -42,8 +53,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+if not __package__:  # run as a file: the repository root holds the `recipes` package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from recipes.benchmarks import common  # noqa: E402
 
 NAME = "compare_samplers"
 DEFAULT_SAMPLERS = (
@@ -68,11 +80,38 @@ PAPER_PPL = {
     "rff": 278.9223,
     "midx-pq": 199.7429,
     "midx-rq": 180.9055,
+    "midx-rq-paper": 180.9055,  # the paper's midx-rq itself: exact positive, no mixture
 }
 #: Benchmark-only names: a sampler plus recipe flags (appended last, so they win over the shared flags).
 VARIANTS = {
     "midx-rq-learned": ("midx-rq", ["--codebooks", "learned"]),
     "midx-rq-shared": ("midx-rq", ["--negatives", "shared", "--num_samples", "{pool_size}"]),
+    # midx-rq before issue 9: the positive's logit exact, no defensive mixture.
+    "midx-rq-paper": ("midx-rq", ["--estimator", "exact-positive", "--mix_weight", "0"]),
+    "midx-rq-nomix": ("midx-rq", ["--mix_weight", "0"]),
+    "midx-rq-mix-uniform": ("midx-rq", ["--mix_static", "uniform"]),
+    "midx-rq-frequency": ("midx-rq", ["--last_stage", "frequency", "--mix_weight", "0"]),
+    "midx-rq-frequency-mix": ("midx-rq", ["--last_stage", "frequency"]),
+    "midx-rq-head2k": ("midx-rq", ["--exact_head", "2048"]),
+    "unigram-exact-positive": ("unigram", ["--estimator", "exact-positive"]),
+}
+#: The non-sampling baseline, trained by adaptive_softmax.py instead of the recipe.
+ADAPTIVE = "adaptive-softmax"
+#: --profile presets (issue 9): the rows and the settings of the quality benchmark.
+PROFILE_SAMPLERS = (
+    "full",
+    "unigram",
+    "midx-rq-paper",
+    "midx-rq",
+    "midx-rq-nomix",
+    "midx-rq-frequency",
+    "midx-rq-frequency-mix",
+    "midx-rq-head2k",
+    ADAPTIVE,
+)
+PROFILES = {
+    "cpu-quick": dict(max_steps=400, seeds=1, wall_clock="off"),
+    "gpu-3epochs": dict(epochs=3.0, seeds=3, wall_clock="on"),
 }
 KEEP_MODELS = ("full", "midx-rq")  # their weights stay (e.g. for bench_kl.py --model_dir); others are deleted
 QUICK_OVERRIDES = "n_embd=32,n_layer=1,n_head=2,n_inner=64"
@@ -91,10 +130,30 @@ def parse_args(argv=None):
         "--samplers",
         nargs="+",
         default=list(DEFAULT_SAMPLERS),
-        help="'full', any hf_midx sampler, 'midx-rq-learned' (midx-rq with --codebooks learned) or "
-        "'midx-rq-shared' (midx-rq with one shared pool of --pool_size negatives per batch)",
+        help="'full', any hf_midx sampler, a variant (sampler + flags: "
+        + ", ".join(VARIANTS)
+        + f") or '{ADAPTIVE}' (torch's AdaptiveLogSoftmaxWithLoss, no sampling)",
     )
     p.add_argument("--epochs", type=float, default=1.0, help="epochs of the equal-epochs comparison")
+    p.add_argument(
+        "--max_steps",
+        type=int,
+        default=None,
+        help="train every sampler for this many steps instead of --epochs (equal steps)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="seeds per equal-epochs run (--seed, --seed + 1, ...): mean and sd of the test perplexity",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        choices=sorted(PROFILES),
+        help="issue 9's presets: 'cpu-quick' (400 steps, the acceptance run) or 'gpu-3epochs' (3 epochs, 3 seeds); "
+        "they set --samplers (unless given), --max_steps/--epochs, --seeds and --wall_clock",
+    )
     p.add_argument("--num_samples", type=int, default=20)
     p.add_argument("--codebook_size", type=int, default=32)
     p.add_argument("--pool_size", type=int, default=1024, help="shared pool size P of 'midx-rq-shared'")
@@ -139,7 +198,16 @@ def parse_args(argv=None):
         "idle); their perplexities are unaffected but their timings are not comparable, so it needs --wall_clock off",
     )
     p.add_argument("--keep_models", action="store_true", help=f"keep every run's weights (default: only {KEEP_MODELS})")
-    return common.parse(p, argv)
+    args = common.parse(p, argv)
+    if args.profile:
+        given = set(argv if argv is not None else sys.argv[1:])
+        preset = PROFILES[args.profile]
+        if "--samplers" not in given:
+            args.samplers = list(PROFILE_SAMPLERS)
+        for key, value in preset.items():
+            if f"--{key}" not in given:
+                setattr(args, key, value)
+    return args
 
 
 # ---------------------------------------------------------------------------- running the recipe
@@ -178,6 +246,8 @@ def recipe_argv(
         str(refresh_every),
     ]
     argv += ["--num_train_epochs", str(epochs)] if epochs is not None else ["--max_steps", str(max_steps)]
+    if sampler == ADAPTIVE:
+        return _adaptive_argv(args, argv, every)
     if args.quick:
         train, evals = (16, 4) if args.smoke else (64, 16)
         argv += [
@@ -197,7 +267,28 @@ def recipe_argv(
     return argv + extra + shlex.split(args.recipe_args)
 
 
-def run_recipe(argv: list[str], out_dir: Path, launcher: str, threads: int | None = None) -> dict:
+def _adaptive_argv(args, recipe: list[str], every: int) -> list[str]:
+    """adaptive_softmax.py's flags from the recipe's: the data, output, seed, length and batch."""
+    keep = {
+        "--train_file", "--validation_file", "--test_file", "--output_dir", "--seed", "--num_train_epochs",
+        "--max_steps", "--per_device_train_batch_size",
+    }  # fmt: skip
+    argv = []
+    for flag, value in zip(recipe[::2], recipe[1::2]):
+        if flag in keep:
+            argv += [flag, value]
+    total = int(dict(zip(recipe[::2], recipe[1::2])).get("--max_steps", 0)) or None
+    argv += ["--evals", str(args.evals_per_run if total is None else max(1, total // max(every, 1)))]
+    if args.quick:
+        train, evals = (16, 4) if args.smoke else (64, 16)
+        argv += [
+            "--config_overrides", SMOKE_OVERRIDES if args.smoke else QUICK_OVERRIDES, "--seq_len", "20",
+            "--max_train_samples", str(train), "--max_eval_samples", str(evals),
+        ]  # fmt: skip
+    return argv
+
+
+def run_recipe(argv: list[str], out_dir: Path, launcher: str, threads: int | None = None, script: str = "wikitext2") -> dict:
     """One recipe run; returns its results.json, log history, wall time and error (None when it worked).
 
     ``threads`` caps the subprocess's intra-op threads (for runs that share the machine)."""
@@ -210,9 +301,10 @@ def run_recipe(argv: list[str], out_dir: Path, launcher: str, threads: int | Non
     t0 = time.perf_counter()
     if launcher == "subprocess":
         env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        path = common.RECIPES_DIR / "wikitext2.py" if script == "wikitext2" else Path(__file__).with_name(script + ".py")
         with open(out_dir / "recipe.log", "w") as log:
             proc = subprocess.run(
-                [sys.executable, str(common.RECIPES_DIR / "wikitext2.py"), *argv],
+                [sys.executable, str(path), *argv],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=common.REPO_ROOT,
@@ -223,7 +315,12 @@ def run_recipe(argv: list[str], out_dir: Path, launcher: str, threads: int | Non
             error = f"exit status {proc.returncode}: {tail[0][:200]} (log: {out_dir / 'recipe.log'})"
     else:
         try:
-            common.import_recipe("wikitext2").main(argv)
+            if script == "wikitext2":
+                common.import_recipe("wikitext2").main(argv)
+            else:
+                from recipes.benchmarks import adaptive_softmax  # noqa: PLC0415
+
+                adaptive_softmax.main(argv)
         except SystemExit as err:
             error = f"exit {err.code}"
         except Exception as err:  # noqa: BLE001 - one sampler failing must not stop the comparison
@@ -299,7 +396,10 @@ def _ppl(loss: float) -> float:
 
 def summarize(run: dict) -> dict:
     res = run["results"]
-    curve, train_time = training_curve(run["history"], res)
+    if res is not None and "curve" in res:  # adaptive_softmax.py measures its own curve
+        curve, train_time = res["curve"], res.get("train_runtime_s")
+    else:
+        curve, train_time = training_curve(run["history"], res)
     out = {"error": run["error"], "wall_s": run["wall_s"], "curve": curve, "train_time_s": train_time}
     if res:
         out.update(
@@ -326,7 +426,7 @@ def summarize(run: dict) -> dict:
 # ---------------------------------------------------------------------------- main
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    for flag in ("parallel", "pool_size"):
+    for flag in ("parallel", "pool_size", "seeds"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag} must be >= 1, got {getattr(args, flag)}.")
     if args.parallel > 1 and (args.wall_clock == "on" or args.launcher == "inprocess"):
@@ -364,10 +464,14 @@ def main(argv=None) -> dict:
             "was used (not comparable with the paper)"
         )
         print(data_note)
-    unknown = [s for s in args.samplers if s != "full" and s not in VARIANTS and s not in _sampler_names()]
+    if args.max_steps is not None and args.max_steps < 1:
+        raise SystemExit(f"--max_steps must be >= 1, got {args.max_steps}.")
+    known = {"full", ADAPTIVE, *VARIANTS, *_sampler_names()}
+    unknown = [s for s in args.samplers if s not in known]
     if unknown:
         raise SystemExit(
-            f"unknown sampler(s) {unknown}; choose from full, {', '.join(VARIANTS)}, {', '.join(_sampler_names())}."
+            f"unknown sampler(s) {unknown}; choose from full, {ADAPTIVE}, {', '.join(VARIANTS)}, "
+            f"{', '.join(_sampler_names())}."
         )
     stray = sorted(set(args.wall_clock_samplers or ()) - set(args.samplers))
     if stray:
@@ -386,7 +490,10 @@ def main(argv=None) -> dict:
         data_note=data_note,
         train_tokens=train_tokens,
         samplers=args.samplers,
-        epochs=args.epochs,
+        profile=args.profile,
+        seeds=list(range(args.seed, args.seed + args.seeds)),
+        epochs=None if args.max_steps else args.epochs,
+        max_steps=args.max_steps,
         num_samples=args.num_samples,
         codebook_size=args.codebook_size,
         pool_size=args.pool_size,
@@ -409,7 +516,7 @@ def main(argv=None) -> dict:
     if q:
         blocks = min(blocks, 16 if args.smoke else 64)
     steps_per_epoch = math.ceil(blocks / args.batch_size)
-    steps_equal_epochs = max(1, steps_per_epoch * args.epochs)
+    steps_equal_epochs = args.max_steps or max(1, steps_per_epoch * args.epochs)
     every = max(1, int(steps_equal_epochs // args.evals_per_run))
     refresh_every = max(1, steps_per_epoch // args.refreshes_per_epoch) if args.refreshes_per_epoch > 0 else 0
     settings["refresh_every_steps"] = refresh_every
@@ -419,10 +526,24 @@ def main(argv=None) -> dict:
     order = ["full"] + [s for s in args.samplers if s != "full"] if "full" in args.samplers else list(args.samplers)
 
     def equal_epochs_run(sampler: str, threads: int | None = None) -> None:
-        run_dir = out / sampler
-        argv = recipe_argv(args, files, run_dir, sampler, epochs=args.epochs, every=every, refresh_every=refresh_every)
-        equal_epochs[sampler] = summarize(run_recipe(argv, run_dir, launcher, threads))
-        _prune(run_dir, sampler, args.keep_models)
+        per_seed = []
+        for k in range(args.seeds):
+            run_dir = out / sampler if args.seeds == 1 else out / sampler / f"seed{args.seed + k}"
+            argv = recipe_argv(
+                args,
+                files,
+                run_dir,
+                sampler,
+                epochs=None if args.max_steps else args.epochs,
+                max_steps=args.max_steps,
+                every=every,
+                refresh_every=refresh_every,
+            )
+            argv[argv.index("--seed") + 1] = str(args.seed + k)
+            script = "adaptive_softmax" if sampler == ADAPTIVE else "wikitext2"
+            per_seed.append({**summarize(run_recipe(argv, run_dir, launcher, threads, script)), "seed": args.seed + k})
+            _prune(run_dir, sampler, args.keep_models)
+        equal_epochs[sampler] = aggregate_seeds(per_seed)
         _print_run(sampler, equal_epochs[sampler])
 
     if args.parallel > 1:
@@ -450,6 +571,7 @@ def main(argv=None) -> dict:
                 continue
             steps = max(1, round(budget / per_step))
             run_dir = out / f"{sampler}-wallclock"
+            script = "adaptive_softmax" if sampler == ADAPTIVE else "wikitext2"
             argv = recipe_argv(
                 args,
                 files,
@@ -459,7 +581,7 @@ def main(argv=None) -> dict:
                 every=max(1, steps // args.evals_per_run),
                 refresh_every=refresh_every,
             )
-            wall[sampler] = {**summarize(run_recipe(argv, run_dir, launcher)), "max_steps": steps}
+            wall[sampler] = {**summarize(run_recipe(argv, run_dir, launcher, script=script)), "max_steps": steps}
             _prune(run_dir, sampler + "-wallclock", args.keep_models)
             _print_run(sampler + " (wall clock)", wall[sampler])
     elif args.wall_clock == "on":
@@ -481,6 +603,34 @@ def main(argv=None) -> dict:
         plot(out, equal_epochs, wall, order, budget)
     print(md)
     return payload
+
+
+def aggregate_seeds(runs: list[dict]) -> dict:
+    """One row from the runs of several seeds: the first seed's fields (curve, timings) plus the mean and
+    sample standard deviation of the test perplexity and the mean tokens/s over the seeds that worked."""
+    import statistics  # noqa: PLC0415
+
+    first = dict(runs[0])
+    ok = [r for r in runs if not r.get("error") and r.get("test_perplexity") is not None]
+    ppl = [r["test_perplexity"] for r in ok]
+    tps = [r["tokens_per_second"] for r in ok if r.get("tokens_per_second")]
+    first["seeds"] = [
+        {k: r.get(k) for k in ("seed", "test_perplexity", "valid_perplexity", "tokens_per_second", "train_time_s", "error")}
+        for r in runs
+    ]
+    first["test_ppl_mean"] = statistics.fmean(ppl) if ppl else None
+    first["test_ppl_sd"] = statistics.stdev(ppl) if len(ppl) > 1 else None
+    first["tokens_per_second_mean"] = statistics.fmean(tps) if tps else None
+    if not first.get("error") and len(ok) < len(runs):
+        first["error"] = f"{len(runs) - len(ok)} of {len(runs)} seeds failed"
+    return first
+
+
+def _mean_sd(run: dict) -> str:
+    if run.get("test_ppl_mean") is None:
+        return "-"
+    sd = run.get("test_ppl_sd")
+    return _f(run["test_ppl_mean"]) + ("" if sd is None else f" ± {_f(sd)}")
 
 
 def _sampler_names():
@@ -540,7 +690,13 @@ def render_markdown(env, settings, equal_epochs, wall, budget, order):
     if settings["data_note"]:
         parts.append(f"**Data:** {settings['data_note']}.\n")
     parts.append(
-        f"Exact (full-softmax) perplexity. Equal epochs: {settings['epochs']:g} epoch(s) each. Equal wall-clock: "
+        "Exact (full-softmax) perplexity (the adaptive softmax's own, which is normalized). "
+        + (
+            f"Equal steps: {settings['max_steps']} each. "
+            if settings.get("max_steps")
+            else f"Equal epochs: {settings['epochs']:g} epoch(s) each. "
+        )
+        + f"Seeds {settings['seeds']}: test perplexity as mean ± sample sd. Equal wall-clock (first seed): "
         f"every sampler trains for {_f(budget, 0)} s, what `full` needed (training time without evaluation). "
         "The paper trained 100 epochs with early stopping: compare the ordering, not the values.\n"
     )
@@ -551,10 +707,11 @@ def render_markdown(env, settings, equal_epochs, wall, budget, order):
             {
                 "sampler": s,
                 "paper": _f(PAPER_PPL.get(s)),
-                "test_e": e.get("error") and "failed" or _f(e.get("test_perplexity")),
+                "test_e": e.get("error") and "failed" or _mean_sd(e),
+                "vs_full": _vs(e, equal_epochs.get("full", {})),
                 "valid_e": _f(e.get("valid_perplexity")),
                 "time_e": _f(e.get("train_time_s"), 0),
-                "tps": _f(e.get("tokens_per_second"), 0),
+                "tps": _f(e.get("tokens_per_second_mean") or e.get("tokens_per_second"), 0),
                 "test_w": (w.get("error") and "failed") or _f(w.get("test_perplexity")),
                 "steps_w": "-"
                 if not w or w.get("global_step") is None
@@ -568,7 +725,8 @@ def render_markdown(env, settings, equal_epochs, wall, budget, order):
             [
                 ("sampler", "sampler"),
                 ("paper test ppl", "paper"),
-                ("test ppl, equal epochs", "test_e"),
+                ("test ppl, equal epochs/steps", "test_e"),
+                ("vs full", "vs_full"),
                 ("valid ppl", "valid_e"),
                 ("training s", "time_e"),
                 ("tokens/s", "tps"),
@@ -583,6 +741,11 @@ def render_markdown(env, settings, equal_epochs, wall, budget, order):
         parts.append("\nFailed runs:\n")
         parts.extend(f"- {s}: {e}" for s, e in errors)
     return "\n".join(parts)
+
+
+def _vs(run: dict, full: dict) -> str:
+    a, b = run.get("test_ppl_mean"), full.get("test_ppl_mean")
+    return "-" if a is None or b is None else f"{100.0 * (a / b - 1.0):+.1f}%"
 
 
 def plot(out_dir, equal_epochs, wall, order, budget):

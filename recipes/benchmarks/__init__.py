@@ -1,0 +1,1 @@
+"""Benchmark scripts (``python recipes/benchmarks/<name>.py``); they import ``recipes.benchmarks.common``."""

@@ -1,0 +1,120 @@
+"""Where the time of one sampled-head step goes: a torch.profiler table of the top ops.
+
+The head is ``MidxLMHead`` as ``MidxConfig()`` configures it (every default but the seed), over a
+random (V, D) weight, on T random hidden states with Zipfian labels; the step is
+``loss_from_hidden`` forward + backward, the same step ``bench_head.py`` times as ``midx-default``.
+After warm-up steps, ``--steps`` steps run under ``torch.profiler`` (CPU, plus CUDA on a GPU), and
+the ops are listed by self time. Writes ``OUT/profile_head.md`` and ``OUT/profile_head.json``.
+
+Run: ``python recipes/benchmarks/profile_head.py --out bench-out [--device cuda] [--model gemma3-270m]``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+if not __package__:  # run as a file: the repository root holds the `recipes` package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from recipes.benchmarks import common  # noqa: E402
+from recipes.benchmarks.bench_head import MODEL_SHAPES, zipf_counts  # noqa: E402
+
+import hf_midx  # noqa: E402
+
+NAME = "profile_head"
+
+
+def parse_args(argv=None):
+    p = common.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--model", default="gemma3-270m", choices=list(MODEL_SHAPES), help="head shape (V, D)")
+    p.add_argument("--tokens", type=int, default=None, help="T (default 8192 on a GPU, 2048 on CPU)")
+    p.add_argument("--steps", type=int, default=5, help="profiled steps")
+    p.add_argument("--top", type=int, default=20, help="ops listed")
+    return common.parse(p, argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = common.resolve_device(args.device)
+    v, d = MODEL_SHAPES[args.model]
+    if args.smoke:
+        v, d = max(2048, v // 64), max(32, d // 32)
+    t = args.tokens or (256 if args.smoke else 8192 if device.type == "cuda" else 2048)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(args.seed)
+    counts = zipf_counts(v, gen)
+    labels = torch.multinomial(counts.float() + 1, t, replacement=True, generator=gen).to(device)
+    weight = torch.nn.Parameter((torch.randn(v, d, generator=gen) * d**-0.5).to(device=device, dtype=dtype))
+    hidden = torch.randn(t, d, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    linear = torch.nn.Linear(d, v, bias=False, device="meta")
+    linear.weight = weight
+    config = hf_midx.MidxConfig(seed=args.seed)
+    head = hf_midx.MidxLMHead(linear, config, class_counts=counts)
+    env = common.environment(device)
+    settings = common.run_settings(args, model=args.model, V=v, D=d, T=t, dtype=str(dtype), config=config.to_dict())
+    common.print_header(NAME, env, settings)
+
+    def step():
+        hidden.grad = weight.grad = None
+        head.loss_from_hidden(hidden, None, shift_labels=labels).backward()
+
+    for _ in range(3):
+        step()
+    common.sync(device)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            step()
+        common.sync(device)
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=args.top)
+    events = sorted(
+        prof.key_averages(), key=lambda e: getattr(e, "self_device_time_total", 0) or e.self_cpu_time_total, reverse=True
+    )
+    ops = [
+        {
+            "op": e.key,
+            "calls": e.count // args.steps,
+            "self_cpu_us_per_step": e.self_cpu_time_total / args.steps,
+            "self_device_us_per_step": getattr(e, "self_device_time_total", 0) / args.steps,
+        }
+        for e in events[: args.top]
+    ]
+    md = "\n".join(
+        [
+            common.header_markdown("One sampled-head step (forward + backward), top ops", env, settings),
+            "",
+            f"Per step (mean of {args.steps}), by self time:",
+            "",
+            common.markdown_table(
+                [
+                    {
+                        "op": o["op"],
+                        "calls": o["calls"],
+                        "cpu": f"{o['self_cpu_us_per_step'] / 1e3:.3f} ms",
+                        "dev": f"{o['self_device_us_per_step'] / 1e3:.3f} ms",
+                    }
+                    for o in ops
+                ],
+                [("op", "op"), ("calls per step", "calls"), ("self CPU", "cpu"), ("self device", "dev")],
+            ),
+            "",
+            f"torch.profiler's table ({args.steps} steps, sorted by {sort_by}):",
+            "",
+            "```",
+            table,
+            "```",
+        ]
+    )
+    payload = {"benchmark": NAME, "settings": settings, "environment": env, "ops": ops}
+    common.write_outputs(args.out, NAME, payload, md)
+    print(table)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

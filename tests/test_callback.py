@@ -1,0 +1,167 @@
+"""MidxCallback with a plain transformers.Trainer: refresh, midx/ logging (ahead of the reporters), the
+exact training loss, checkpointed sampler state and an identical resumed run; refresh_index alone."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback
+
+from _models import clone_model, tiny_model
+from hf_midx import MidxCallback, MidxConfig, MidxLMHead, refresh_index
+from hf_midx.state import MIDX_RNG_STATE_NAME, MIDX_STATE_NAME
+from test_trainer import VOCAB, RowsDataset, markov_rows, training_args
+
+
+class LogRecorder(TrainerCallback):
+    """Stands where a reporting integration stands (before the user's callbacks): what it sees is what
+    TensorBoard or W&B would receive."""
+
+    def __init__(self):
+        self.entries = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.entries.append(dict(logs))
+
+
+def _plain_trainer(output_dir, max_steps=8, **callback_kwargs):
+    torch.manual_seed(0)
+    model = tiny_model("gpt2", vocab_size=VOCAB, seed=0)
+    MidxLMHead.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=5, refresh_every_steps=4))
+    recorder = LogRecorder()
+    args = training_args(output_dir, max_steps=max_steps, logging_steps=2, save_strategy="steps", save_steps=4)
+    trainer = Trainer(
+        model=model, args=args, train_dataset=RowsDataset(markov_rows(48)), callbacks=[recorder, MidxCallback()]
+    )
+    return trainer, recorder
+
+
+def _per_step(trainer, key, after=0):
+    return {e["step"]: e[key] for e in trainer.state.log_history if key in e and e["step"] > after}
+
+
+def test_plain_trainer_refreshes_logs_checkpoints_and_resumes_identically(tmp_path):
+    full, recorder = _plain_trainer(tmp_path / "full")
+    head = MidxLMHead.find(full.model)
+    calls = []
+    hook = full.model.register_forward_pre_hook(lambda m, a: calls.append(m.training) if m.training else None)
+    refreshed = head.sampler.state_dict()["index.codes"].clone()
+    full.train()
+    hook.remove()
+
+    # Every training forward drew from the sampler (8 steps, no accumulation).
+    assert len(calls) == 8 and head.sampled_calls == 8
+    losses = _per_step(full, "loss")
+    kls, exact = _per_step(full, "midx/kl"), _per_step(full, "midx/train_loss_exact")
+    refresh = _per_step(full, "midx/refresh_seconds")
+    print(f"[callback] sampled loss {losses}; exact train loss {exact}; KL {kls}; refreshes at {sorted(refresh)}")
+    # The midx/ keys join the entries that hold the Trainer's loss, in log_history and in what a
+    # reporting callback placed before MidxCallback receives.
+    assert kls.keys() == exact.keys() == losses.keys() == {2, 4, 6, 8}
+    assert refresh.keys() == {4, 8} and all(0 < s < 60 for s in refresh.values())
+    assert all(math.isfinite(v) for v in (*losses.values(), *kls.values(), *exact.values()))
+    seen = [e for e in recorder.entries if "loss" in e]
+    assert len(seen) == 4 and all("midx/kl" in e and "midx/train_loss_exact" in e for e in seen)
+    # The coverage diagnostics that predict training quality come with every logged KL.
+    for e in seen:
+        assert {"midx/kl_pq", "midx/ess", "midx/ess_sampled", "midx/mass_p_over_q_gt_10"} <= set(e)
+        assert 0 < e["midx/ess"] <= 1 and e["midx/kl_pq"] >= 0 and 0 <= e["midx/mass_p_over_q_gt_10"] <= 1
+    assert not torch.equal(refreshed, head.sampler.state_dict()["index.codes"])
+
+    checkpoint = tmp_path / "full" / "checkpoint-4"
+    names = set(os.listdir(checkpoint))
+    assert {MIDX_STATE_NAME, MIDX_RNG_STATE_NAME, "midx_config.json", "model.safetensors"} <= names
+    assert not [n for n in names if n.endswith(".tmp")]
+
+    resumed, _ = _plain_trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    for key in ("loss", "midx/kl", "midx/train_loss_exact", "grad_norm"):
+        a, b = _per_step(full, key, after=4), _per_step(resumed, key, after=4)
+        assert a.keys() == b.keys() and a, key
+        assert all(abs(a[s] - b[s]) <= 1e-6 for s in a), f"{key}: uninterrupted {a} != resumed {b}"
+    assert _per_step(resumed, "midx/refresh_seconds", after=4).keys() == {8}
+    worst = max(float((p - q).abs().max()) for p, q in zip(full.model.parameters(), resumed.model.parameters()))
+    assert worst <= 1e-6, worst
+    s_full = MidxLMHead.find(full.model).sampler.state_dict()
+    s_res = MidxLMHead.find(resumed.model).sampler.state_dict()
+    assert all(torch.equal(s_full[k], s_res[k]) for k in s_full)
+    print(f"[callback resume] steps 5-8 losses {_per_step(resumed, 'loss', after=4)}; max param diff {worst}")
+
+
+def test_resume_needs_the_midx_state(tmp_path):
+    trainer, _ = _plain_trainer(tmp_path / "a", max_steps=4)
+    trainer.train()
+    os.remove(tmp_path / "a" / "checkpoint-4" / MIDX_STATE_NAME)
+    again, _ = _plain_trainer(tmp_path / "b", max_steps=6)
+    with pytest.raises(ValueError, match="has no midx_state.safetensors"):
+        again.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
+
+
+def test_label_smoothing_is_refused(tmp_path):
+    model = MidxLMHead.wrap(tiny_model("gpt2", vocab_size=VOCAB), num_samples=32, codebook_size=8)
+    args = training_args(tmp_path, max_steps=2, label_smoothing_factor=0.1)
+    trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(16)), callbacks=[MidxCallback()])
+    with pytest.raises(ValueError, match="label_smoothing_factor"):
+        trainer.train()
+
+
+def test_exact_loss_of_the_last_batch_matches_the_model():
+    """The logged midx/train_loss_exact: the exact loss of the last sampled call's tokens (llama: no dropout)."""
+    model = tiny_model("llama")
+    reference = clone_model(model)
+    MidxLMHead.wrap(model, num_samples=24, codebook_size=8, kmeans_iters=5)
+    head = MidxLMHead.find(model)
+    assert head.last_batch_exact_loss() is None
+    ids = torch.randint(model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[0, :6] = -100
+    model.train()
+    sampled = model(input_ids=ids, labels=labels).loss
+    with torch.no_grad():
+        want = reference(input_ids=ids, labels=labels).loss
+    got = head.last_batch_exact_loss()
+    assert got.dtype == torch.float32 and float(got) == pytest.approx(float(want), rel=1e-5)
+    assert float(sampled) != pytest.approx(float(want), rel=1e-6)  # the sampled estimate is another number
+    # The kept queries are hidden states of non-ignored tokens only (16 - 1 - 6 + 15 = 24 of them).
+    assert head.last_queries.shape == (min(head.config.kl_queries, 32), 32)
+
+
+def test_refresh_index_rebuilds_from_the_current_weight():
+    model = MidxLMHead.wrap(tiny_model("llama"), num_samples=24, codebook_size=8, kmeans_iters=5)
+    head = MidxLMHead.find(model)
+    before = head.sampler.state_dict()["index.codebook1"].clone()
+    with torch.no_grad():
+        head.weight.mul_(3.0)
+    seconds = refresh_index(model)
+    assert seconds > 0 and not torch.allclose(before, head.sampler.state_dict()["index.codebook1"])
+    with pytest.raises(ValueError, match="MidxLMHead.wrap"):
+        refresh_index(tiny_model("llama"))
+
+
+def test_no_host_sync_between_checks(tmp_path):
+    """Between logging / save / refresh steps the callback reads nothing back from the device; at a logging
+    step it does (the NaN check, the KL and the exact loss), where the Trainer syncs anyway."""
+    from test_hot_path import SyncCounter
+    from transformers import TrainerControl, TrainerState
+
+    model = MidxLMHead.wrap(tiny_model("llama"), num_samples=24, codebook_size=8, kmeans_iters=5, refresh_every_steps=5)
+    callback = MidxCallback()
+    args = training_args(tmp_path)
+    state, control = TrainerState(), TrainerControl()
+    state.max_steps = 10
+    callback.on_train_begin(args, state, control, model=model)
+    ids = torch.randint(model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    model.train()
+    counts = []
+    for step in (1, 2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        state.global_step = step
+        control.should_log = step == 2
+        with SyncCounter() as counter:
+            callback.on_step_end(args, state, control)
+        counts.append(sum(counter.counts.values()))
+    assert counts[0] == 0, counts
+    assert counts[1] > 0 and {"midx/kl", "midx/train_loss_exact"} <= set(callback._pending)

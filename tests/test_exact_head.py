@@ -1,0 +1,95 @@
+"""The head's side of issue 9: class counts for the default proposal, and the exact head.
+
+``MidxLMHead.wrap(model, MidxConfig())`` without ``class_counts`` must still train, with a warning that
+says what the default gives up; with counts, ``exact_head=H`` scores the H most frequent classes exactly
+and the sampler never draws them.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from _models import VOCAB, markov_batches, tiny_model
+from hf_midx import MidxConfig, MidxLMHead
+
+
+def _counts() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return (1000.0 / (torch.randperm(VOCAB, generator=g).double() + 1.0)).floor()
+
+
+def _train_steps(model, steps: int = 3) -> list[float]:
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for batch in markov_batches(VOCAB, 4, 12, steps):
+        opt.zero_grad()
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_default_config_without_counts_warns_and_trains():
+    model = tiny_model("gpt2")
+    with pytest.warns(UserWarning, match="need class_counts"):
+        MidxLMHead.wrap(model, MidxConfig(codebook_size=8, num_samples=16, exact_head=0))
+    head = MidxLMHead.find(model)
+    assert head.sampler.mix_weight == 0.0 and head.exact_ids is None  # both need counts
+    assert all(torch.isfinite(torch.tensor(_train_steps(model))))
+
+
+def test_default_config_with_counts_builds_the_unigram_mixture_silently():
+    model = tiny_model("gpt2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        MidxLMHead.wrap(model, MidxConfig(codebook_size=8, num_samples=16), class_counts=_counts())
+    head = MidxLMHead.find(model)
+    assert head.sampler.mix_static == "unigram" and head.sampler.mix_weight == MidxConfig().mix_weight
+
+
+@pytest.mark.parametrize("negatives", ["per-query", "shared"])
+def test_exact_head_takes_the_most_frequent_classes_out_of_the_proposal(negatives):
+    model = tiny_model("llama")
+    counts = _counts()
+    config = MidxConfig(codebook_size=8, num_samples=16, exact_head=40, negatives=negatives)
+    MidxLMHead.wrap(model, config, class_counts=counts)
+    head = MidxLMHead.find(model)
+    top = torch.sort(torch.argsort(counts, descending=True, stable=True)[:40]).values
+    assert torch.equal(head.exact_ids, top) and torch.equal(head.sampler.excluded, top)
+    assert head.sampler.index.num_classes == VOCAB - 40
+    losses = _train_steps(model)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    head.refresh()
+    assert torch.equal(head.sampler.excluded, top)
+
+
+def test_exact_head_without_counts_is_off_with_a_warning():
+    model = tiny_model("gpt2")
+    with pytest.warns(UserWarning, match="exact_head=40 needs class_counts"):
+        MidxLMHead.wrap(model, MidxConfig(codebook_size=8, num_samples=16, exact_head=40, mix_weight=0.0))
+    head = MidxLMHead.find(model)
+    assert head.exact_ids is None and head.sampler.excluded is None
+
+
+def test_exact_head_is_at_most_an_eighth_of_the_vocabulary():
+    model = tiny_model("gpt2")
+    MidxLMHead.wrap(model, MidxConfig(codebook_size=8, exact_head=VOCAB), class_counts=_counts())
+    assert MidxLMHead.find(model).exact_ids.numel() == VOCAB // 8
+
+
+@pytest.mark.parametrize("negatives", ["per-query", "shared"])
+def test_exact_head_and_mixture_add_no_host_sync(negatives):
+    from test_hot_path import _count_step
+
+    batch = torch.randint(VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    plain = _count_step(tiny_model("llama"), batch)
+    model = tiny_model("llama")
+    config = MidxConfig(codebook_size=8, num_samples=16, exact_head=40, last_stage="frequency", negatives=negatives)
+    MidxLMHead.wrap(model, config, class_counts=_counts())
+    extra = _count_step(model, batch) - plain
+    assert not extra, dict(extra)

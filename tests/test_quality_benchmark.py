@@ -1,0 +1,54 @@
+"""Issue 9's quality benchmark (compare_samplers --seeds, the adaptive-softmax row, the profiles) and the
+bench_kl diagnostics table, on a tiny synthetic corpus (no network, no shared data). Nothing timed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_benchmarks import _tiny_corpus, run_bench
+
+
+def test_compare_samplers_seeds_and_the_adaptive_softmax(tmp_path):
+    data = _tiny_corpus(tmp_path)
+    out = tmp_path / "out"
+    p = run_bench(
+        "compare_samplers", out, "--data_dir", str(data), "--samplers", "full", "midx-rq-paper", "adaptive-softmax",
+        "--seeds", "2", "--max_steps", "4", "--wall_clock", "off", "--no_plots",
+    )  # fmt: skip
+    assert p["settings"]["seeds"] == [0, 1] and p["settings"]["max_steps"] == 4
+    for name in ("full", "midx-rq-paper", "adaptive-softmax"):
+        run = p["equal_epochs"][name]
+        assert run["error"] is None, run["error"]
+        assert [s["seed"] for s in run["seeds"]] == [0, 1] and run["global_step"] == 4
+        ppl = [s["test_perplexity"] for s in run["seeds"]]
+        assert run["test_ppl_mean"] == pytest.approx(sum(ppl) / 2) and run["test_ppl_sd"] is not None
+        for seed in (0, 1):
+            assert (out / name / f"seed{seed}" / "results.json").is_file()
+    # The variant's flags reached the recipe; the adaptive softmax ran its own script.
+    cfg = json.loads((out / "midx-rq-paper" / "seed0" / "midx_config.json").read_text())
+    assert (cfg["estimator"], cfg["mix_weight"]) == ("exact-positive", 0.0)
+    als = json.loads((out / "adaptive-softmax" / "seed1" / "results.json").read_text())
+    assert als["sampler"] == "adaptive-softmax" and als["seed"] == 1 and als["test_perplexity"] > 1
+    md = (out / "compare_samplers.md").read_text()
+    assert "Equal steps: 4" in md and " ± " in md and "adaptive-softmax" in md
+
+
+def test_bench_kl_reports_the_diagnostics_and_their_prediction(tmp_path):
+    ppl = tmp_path / "ppl.json"
+    ppl.write_text(json.dumps({"midx-rq": 500.0, "unigram": 390.0, "midx-rq-mix": 383.0, "uniform": 900.0}))
+    p = run_bench(
+        "bench_kl", tmp_path / "out", "--samplers", "midx-rq", "unigram", "uniform", "midx-rq-mix", "midx-rq-head2k",
+        "--ppl_json", str(ppl), "--no_plots",
+    )  # fmt: skip
+    trained = p["sources"][0]["results"]
+    for r in trained:
+        assert {"kl_qp", "kl_pq", "ess", "ess_sampled", "mass_p_over_q_gt_10", "head_mass"} <= set(r)
+        assert 0 < r["ess"] <= 1 and 0 <= r["mass_p_over_q_gt_10"] <= 1
+    head = [r for r in trained if r["sampler"] == "midx-rq-head2k"]
+    assert head and head[0]["head_mass"] > 0
+    pred = p["predicts_perplexity"]
+    assert set(pred["points"]) == {"midx-rq", "unigram", "uniform", "midx-rq-mix"}
+    assert set(pred["spearman_vs_log_ppl"]) == {"kl_qp", "kl_pq", "ess", "ess_sampled", "mass_p_over_q_gt_10"}
+    assert "Which diagnostic predicts perplexity" in (tmp_path / "out" / "bench_kl.md").read_text()
