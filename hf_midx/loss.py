@@ -182,6 +182,8 @@ def sampled_softmax_loss(
         not isinstance(exact_ids, torch.Tensor) or exact_ids.dim() != 1 or exact_ids.is_floating_point()
     ):
         raise ValueError("exact_ids must be a 1-D integer tensor of class ids (H,), or None.")
+    if exact_ids is not None and check_labels:
+        check_ids("exact_ids", exact_ids, weight.shape[0])
     if hidden.dtype != weight.dtype:
         # e.g. fp32 hidden states from a norm layer against a bf16 head: one dtype for the matmuls.
         hidden = hidden.to(weight.dtype)

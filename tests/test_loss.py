@@ -512,6 +512,8 @@ def test_unknown_estimator_and_bad_exact_ids_are_refused():
         sampled_softmax_loss(hidden, weight, labels, sampler, 4, estimator="tf")
     with pytest.raises(ValueError, match="exact_ids must be a 1-D integer tensor"):
         sampled_softmax_loss(hidden, weight, labels, sampler, 4, exact_ids=torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"exact_ids contains 200, outside \[0, 200\)"):
+        sampled_softmax_loss(hidden, weight, labels, sampler, 4, exact_ids=torch.tensor([3, V]))
 
 
 def test_unchecked_labels_use_a_device_side_assertion():
