@@ -959,6 +959,25 @@ def run(main: Callable[[Sequence[str] | None], Any], argv: Sequence[str] | None 
     except KeyboardInterrupt:  # outside training (loading data, evaluating, saving)
         _say("interrupted.")
         sys.exit(130)
+    finally:
+        end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroy this process's process group, if one is up, while the interpreter is still whole.
+
+    Left to interpreter exit, the objects of a finished multi-process run (trainer, model, DDP reducer, the
+    group itself) are freed during finalization, where gloo's worker threads can drop tensors that need the
+    GIL and abort the process (SIGABRT, "terminate called without an active exception") after its results
+    were written; seen on CPU runs under torchrun and accelerate launch.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def _say(message: str) -> None:

@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
+from recipes.lm_recipe import end_process_group  # noqa: E402
 from _models import markov_batches, tiny_model  # noqa: E402
 from hf_midx import MidxConfig, MidxLMHead  # noqa: E402
 from hf_midx import MidxTrainer  # noqa: E402
@@ -164,4 +165,7 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    finally:
+        end_process_group()  # free the model's reference cycles now, not in a gloo thread at exit

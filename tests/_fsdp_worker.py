@@ -27,6 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
+from recipes.lm_recipe import end_process_group  # noqa: E402
 from _models import markov_batches, tiny_model  # noqa: E402
 from hf_midx import MidxConfig, MidxLMHead, refresh_index  # noqa: E402
 from hf_midx.callback import full_head_weight  # noqa: E402
@@ -132,10 +133,12 @@ def main(out_dir: str) -> None:
         and report["exact_equal_across_ranks"]
     )
     dist.barrier()
-    dist.destroy_process_group()
     if not ok:
         raise SystemExit(f"rank {rank}: FSDP2 checks failed: {json.dumps(report)}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    finally:
+        end_process_group()  # free the model's reference cycles now, not in a gloo thread at exit

@@ -9,7 +9,6 @@ would start a single process, so torchrun is used, and each worker refuses to ru
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,19 +16,15 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from _env import offline_env
+
 WORKER = Path(__file__).with_name("_ddp_worker.py")
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
 def test_two_processes_share_the_index_and_draw_their_own_negatives(tmp_path):
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        # A plain CPU run: no accelerator settings inherited from the calling shell.
-        "CUDA_VISIBLE_DEVICES": "",
-    }
+    # A plain CPU run: no accelerator settings inherited from the calling shell.
+    env = offline_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd += [str(WORKER), str(tmp_path)]
     proc = subprocess.run(cmd, env=env, cwd=WORKER.parent.parent, capture_output=True, text=True, timeout=300)

@@ -510,6 +510,33 @@ def test_output_dir_with_checkpoints_needs_resume_or_overwrite(tmp_path):
     assert check_output_and_resume(TrainingArguments(output_dir=str(tmp_path / "new"), report_to="none")) is None
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
+@pytest.mark.parametrize("outcome", ["done", "error"])
+def test_run_destroys_the_process_group_before_exit(outcome, tmp_path):
+    """A launched recipe leaves no process group to interpreter exit (gloo threads abort finalization)."""
+    import torch.distributed as dist
+
+    from recipes.lm_recipe import RecipeError, run
+
+    def main(argv):
+        assert dist.is_initialized()
+        if outcome == "error":
+            raise RecipeError("bad flag")
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        if outcome == "error":
+            with pytest.raises(SystemExit) as stop:
+                run(main, [])
+            assert stop.value.code == 2
+        else:
+            run(main, [])
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_hub_model_offline_and_not_cached_fails_at_once(monkeypatch, tmp_path):
     from huggingface_hub import constants
 
