@@ -45,6 +45,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -204,6 +205,20 @@ class MidxCallback(TrainerCallback):
             )
         self.head = head
         self._rank, self._world = args.process_index, args.world_size
+        if (
+            state.global_step == 0
+            and head.sampler.query_dependent
+            and not head.config.refresh_every_steps
+            and state.num_train_epochs <= 1
+        ):
+            # Epoch-start refreshes never fire in a run of one epoch or less: the index would stay the one
+            # built on the initial weights, and the proposal would drift away from the model's softmax.
+            warnings.warn(
+                f"MidxCallback: this run is {state.max_steps} steps, at most one epoch, and the {head.sampler.name} "
+                "index is only rebuilt at epoch starts, so it would keep the initial weights' index for the whole "
+                "run. Set MidxConfig(refresh_every_steps=N) (e.g. 100).",
+                stacklevel=2,
+            )
         self._pending, self._saved_folder = {}, None
         head.clear_step_data()
         self._marks = {state.global_step: (0, state.epoch)}

@@ -108,6 +108,29 @@ def test_label_smoothing_is_refused(tmp_path):
         trainer.train()
 
 
+@pytest.mark.parametrize(
+    ("sampler", "every_steps", "epochs", "warns"),
+    [
+        ("midx-rq", 0, 1, True),  # epoch-start refreshes never fire: the initial index for the whole run
+        ("midx-rq", 2, 1, False),
+        ("midx-rq", 0, 2, False),
+        ("uniform", 0, 1, False),  # a static proposal has no index to refresh
+    ],
+)
+def test_a_run_that_would_never_refresh_the_index_warns(sampler, every_steps, epochs, warns, tmp_path, recwarn):
+    config = MidxConfig(
+        sampler=sampler, num_samples=16, codebook_size=8, kmeans_iters=2, refresh_every_steps=every_steps
+    )
+    model = MidxLMHead.wrap(tiny_model("gpt2", vocab_size=VOCAB), config)
+    args = training_args(tmp_path, max_steps=-1, num_train_epochs=epochs)
+    trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(16)), callbacks=[MidxCallback()])
+    trainer.train()
+    messages = [str(w.message) for w in recwarn if "only rebuilt at epoch starts" in str(w.message)]
+    assert len(messages) == int(warns), messages
+    if warns:
+        assert "2 steps" in messages[0] and "refresh_every_steps" in messages[0]
+
+
 def test_exact_loss_of_the_last_batch_matches_the_model():
     """The logged midx/train_loss_exact: the exact loss of the last sampled call's tokens (llama: no dropout)."""
     model = tiny_model("llama")
