@@ -423,11 +423,18 @@ def test_bad_input_is_one_line_nonzero_exit_and_nothing_written(corpus, bad_file
 
 def test_ctrl_c_stops_with_one_line_naming_the_last_checkpoint(corpus, tmp_path):
     out = tmp_path / "interrupted"
-    proc = start(
-        "wikitext2.py", "--output_dir", str(out), "--sampler", "full", "--max_steps", "100000", "--save_strategy",
-        "steps", "--save_steps", "2", "--disable_tqdm", "true", *file_args(corpus), *TINY,
-        env=recipe_env(HF_HUB_DISABLE_PROGRESS_BARS="1"),
-    )  # fmt: skip
+    # A job started in the background by a shell without job control inherits SIGINT ignored, and a
+    # process that starts with SIG_IGN keeps it, so Ctrl-C never reaches the recipe. Give the child a
+    # catchable SIGINT (a handler, unlike SIG_IGN, resets to the default at exec) whatever ran pytest.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = start(
+            "wikitext2.py", "--output_dir", str(out), "--sampler", "full", "--max_steps", "100000", "--save_strategy",
+            "steps", "--save_steps", "2", "--disable_tqdm", "true", *file_args(corpus), *TINY,
+            env=recipe_env(HF_HUB_DISABLE_PROGRESS_BARS="1"),
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         # Any complete checkpoint (on a fast GPU the Trainer's rotation may already have removed checkpoint-2).
         deadline = time.monotonic() + 300
