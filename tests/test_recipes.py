@@ -434,7 +434,8 @@ def test_ctrl_c_stops_with_one_line_naming_the_last_checkpoint(corpus, tmp_path)
             env=recipe_env(HF_HUB_DISABLE_PROGRESS_BARS="1"),
         )  # fmt: skip
     finally:
-        signal.signal(signal.SIGINT, previous)
+        # getsignal-style None means a handler not set from Python: SIG_DFL is the closest to restore.
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
     try:
         # Any complete checkpoint (on a fast GPU the Trainer's rotation may already have removed checkpoint-2).
         deadline = time.monotonic() + 300
