@@ -24,7 +24,9 @@ Settings (``--settings``):
   bf16 autocast, K = 64;
 * ``gemma3-270m`` (GPU): a Gemma-3-270M-sized model from its config (``gemma3_text``: 18 layers,
   d 640, 4 heads of 256, 1 KV head, ff 2048, tied embeddings, V = 262,144), sequences of 2,048,
-  batch 4, bf16 weights: head-dominated at a real shape.
+  batch 4, bf16 weights: head-dominated at a real shape;
+* ``qwen2.5-0.5b`` (GPU): a Qwen2.5-0.5B-sized model from its config (``qwen2``: 24 layers, d 896,
+  14 heads, 2 KV heads, ff 4864, tied embeddings, V = 151,936), sequences of 2,048, batch 4, bf16.
 
 Tokens are i.i.d. Zipf(1) ids (throughput does not depend on the text). Tokens/s counts input tokens
 (batch x block length), as the recipe's ``tokens_per_second`` does. The sampler's build (k-means)
@@ -96,6 +98,25 @@ SETTINGS = {
         "codebook_size": 64,
         "dtype": "bfloat16",
         "what": "Gemma-3-270M-sized (18 layers, d 640, V=262144) from its config, bf16 weights",
+    },
+    "qwen2.5-0.5b": {
+        "arch": "qwen2",
+        "config": dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            tie_word_embeddings=True,
+        ),
+        "vocab": 151936,
+        "block": 2048,
+        "batch": 4,
+        "num_samples": 20,
+        "codebook_size": 64,
+        "dtype": "bfloat16",
+        "what": "Qwen2.5-0.5B-sized (24 layers, d 896, V=151936) from its config, bf16 weights",
     },
 }
 CASES = ("hf-full", "exact-chunked", "cce", "liger", "midx-default", "midx-rq", "midx-rq-shared", "uniform")
