@@ -32,27 +32,30 @@ REDUCTIONS = ("mean", "sum", "none")
 #: How the label's logit enters the estimator (see the module docstring).
 ESTIMATORS = ("exact-positive", "corrected-positive")
 
-# Elements of one (chunk, R, D) gather of candidate embeddings; bounds the per-token path's memory.
-_GATHER_ELEMENTS = 1 << 23
+# Bytes of one (chunk, R, D) gather of candidate embeddings in the forward: bounds its memory, and
+# keeps the chunks few (16 at T = 8192, M = 100, D = 640 in bf16), since each costs kernel launches.
+_GATHER_BYTES = 64 << 20
 
 
 class _CandidateLogits(torch.autograd.Function):
     """o[t, r] = hidden[t] . weight[rows[t, r]] and s[t, c] = hidden[t] . weight[common[c]].
 
     ``rows`` (T, R) are per-token candidates (the label, its own negatives), ``common`` (C,) are rows
-    every token scores (the exact head, a shared pool). Both parts write one dense (V, D) weight
-    gradient: a second buffer and the sum of the two cost ~45% of a step at V = 131k. The (T, R, D)
-    gather is never kept: forward and backward walk over token chunks, so extra memory is
-    O(chunk R D + T C). Logits are float32.
+    every token scores (the exact head, a shared pool). Logits are float32. The (T, R, D) gather is
+    never kept: the forward walks over token chunks (extra memory O(chunk R D + T C)), and the
+    backward needs none of it. There, grad_hidden[t] = sum_r g[t, r] weight[rows[t, r]] is one
+    ``embedding_bag`` (bags of R rows, weighted by g), and the weight gradient is the transposed
+    bag: the (t, r) pairs sorted by class, so that grad_weight[v] = sum over v's pairs of g[t, r]
+    hidden[t] is one ``embedding_bag`` over ``hidden`` with V bags. Both write every output row
+    once: no (T R, D) products and no atomic adds, whose launches per chunk dominated a GPU step.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, rows, common, chunk):
         ctx.save_for_backward(hidden, weight, rows, common)
-        ctx.chunk = chunk
         out = torch.empty(rows.shape, device=hidden.device, dtype=torch.float32)
         for s in range(0, rows.shape[0], chunk):
-            w = weight[rows[s : s + chunk]]  # (c, R, D)
+            w = weight.index_select(0, rows[s : s + chunk].reshape(-1)).view(-1, rows.shape[1], weight.shape[1])
             out[s : s + chunk] = torch.bmm(w, hidden[s : s + chunk].unsqueeze(2)).squeeze(2).float()
         shared = (hidden @ weight[common].t()).float()  # (T, C): one GEMM
         return out, shared
@@ -60,24 +63,29 @@ class _CandidateLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_shared):
         hidden, weight, rows, common = ctx.saved_tensors
-        chunk = ctx.chunk
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.zeros_like(hidden) if need_h else None
-        grad_weight = torch.zeros_like(weight) if need_w else None
-        g_all = grad_out.to(hidden.dtype)
-        for s in range(0, rows.shape[0], chunk):
-            idx, g = rows[s : s + chunk], g_all[s : s + chunk]  # (c, R)
-            if need_h:
-                grad_hidden[s : s + chunk] = torch.bmm(g.unsqueeze(1), weight[idx]).squeeze(1)
-            if need_w:
-                contrib = g.unsqueeze(2) * hidden[s : s + chunk].unsqueeze(1)  # (c, R, D)
-                grad_weight.index_add_(0, idx.reshape(-1), contrib.reshape(-1, hidden.shape[1]).to(weight.dtype))
+        grad_hidden = grad_weight = None
+        g = grad_out.to(weight.dtype)  # (T, R)
+        if need_h:
+            grad_hidden = F.embedding_bag(rows, weight, per_sample_weights=g, mode="sum").to(hidden.dtype)
+        if need_w:
+            v, r = weight.shape[0], rows.shape[1]
+            by_class, order = rows.reshape(-1).sort()
+            # Bag v holds the pairs of class v: offsets from a search, so every shape is static (V,).
+            offsets = torch.searchsorted(by_class, torch.arange(v, device=rows.device, dtype=by_class.dtype))
+            grad_weight = F.embedding_bag(
+                order.div(r, rounding_mode="floor"),  # the token of each pair
+                hidden.to(weight.dtype),
+                offsets,
+                per_sample_weights=g.reshape(-1)[order],
+                mode="sum",
+            )
         if common.shape[0]:
-            gs = grad_shared.to(hidden.dtype)  # (T, C)
+            gs = grad_shared.to(weight.dtype)  # (T, C)
             if need_h:
-                grad_hidden += gs @ weight[common]
+                grad_hidden = grad_hidden + (gs @ weight[common]).to(hidden.dtype)
             if need_w:
-                grad_weight.index_add_(0, common, (gs.t() @ hidden).to(weight.dtype))
+                grad_weight.index_add_(0, common, gs.t() @ hidden.to(weight.dtype))
         return grad_hidden, grad_weight, None, None, None
 
 
@@ -200,17 +208,28 @@ def sampled_softmax_loss(
         else exact_ids.to(device=device, dtype=torch.long)
     )
     num_exact = common.shape[0]
+    # One evaluation of the proposal gives the draws and, for the corrected positive, the label's log q.
+    corrected = estimator == "corrected-positive"
     if negatives == "per-query":
-        ids, log_q = sampler.draw(queries, num_samples, generator=generator)  # (T, M)
+        if corrected:
+            ids, log_q, log_q_pos = sampler.draw_scored(queries, num_samples, y.unsqueeze(1), generator=generator)
+            log_q_pos = log_q_pos.squeeze(1)
+        else:
+            ids, log_q = sampler.draw(queries, num_samples, generator=generator)  # (T, M)
         rows = torch.cat([y.unsqueeze(1), ids], dim=1)  # (T, 1 + M)
         hits = ids == y.unsqueeze(1)
     else:
-        pool, log_qbar = sampler.draw_shared(queries, num_samples, row_weights=valid.float(), generator=generator)
+        if corrected:
+            pool, log_qbar, log_q_pos = sampler.draw_shared_scored(
+                queries, num_samples, y, row_weights=valid.float(), generator=generator
+            )
+        else:
+            pool, log_qbar = sampler.draw_shared(queries, num_samples, row_weights=valid.float(), generator=generator)
         rows = y.unsqueeze(1)
         common = torch.cat([common, pool])
         log_q = log_qbar.unsqueeze(0)  # (1, P)
         hits = pool.unsqueeze(0) == y.unsqueeze(1)
-    chunk = max(1, _GATHER_ELEMENTS // (rows.shape[1] * hidden.shape[1]))
+    chunk = max(1, _GATHER_BYTES // (rows.shape[1] * hidden.shape[1] * weight.element_size()))
     tok_logits, common_logits = _CandidateLogits.apply(hidden, weight, rows, common, chunk)
     if bias is not None:
         tok_logits = tok_logits + bias[rows].float()
@@ -224,11 +243,7 @@ def sampled_softmax_loss(
     # A label inside the exact head is already one of the head's terms.
     in_head = torch.isin(y, common[:num_exact]) if num_exact else torch.zeros_like(valid)
     n = torch.full(y.shape, float(num_samples), device=device)
-    if estimator == "corrected-positive":
-        if negatives == "per-query":
-            log_q_pos = sampler.score(queries, y.unsqueeze(1)).squeeze(1)
-        else:
-            log_q_pos = sampler.score_shared(queries, y, row_weights=valid.float())
+    if corrected:
         n = n + (~in_head).float()
         pos_term = pos - (n.log() + log_q_pos)
         # A label the proposal cannot draw (log q = -inf, e.g. inside H) keeps its exact logit.

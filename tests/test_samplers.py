@@ -398,3 +398,47 @@ def test_midx_ignores_a_codeword_without_classes(make_clustered):
     assert bool(torch.isfinite(log_q).all()) and int((s.index.codes[ids, 1] == 3).sum()) == 0
     lp = s.full_log_prob(z).double()
     torch.testing.assert_close(lp.exp().sum(1), torch.ones(z.shape[0], dtype=torch.float64), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("midx-rq", {}),
+        ("midx-rq", {"mix_weight": 0.5}),
+        ("midx-rq", {"last_stage": "frequency", "mix_weight": 0.3}),
+        ("midx-pq", {"mix_weight": 0.5}),
+        ("midx-exact", {}),
+        ("unigram", {}),
+        ("lsh", {}),
+    ],
+)
+def test_draw_scored_equals_draw_then_score(name, options, problem):
+    """One proposal for the draws and the labels gives what two calls give: the same draws from the
+    same generator state, and the labels' log q (-inf inside the exact head)."""
+    emb = problem[0]
+    head = torch.arange(0, emb.shape[0], 7)
+    smp = _build(name, emb, exclude=head, **options)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(13, emb.shape[1], generator=g)
+    labels = torch.randint(emb.shape[0], (13, 1), generator=g)
+    labels += labels % 7 == 0  # outside the head (every 7th class)...
+    labels[0, 0] = head[1]  # ...but for one  # a label the proposal cannot draw
+    start = smp.generator.get_state()
+    ids, log_q, log_q_labels = smp.draw_scored(q, 9, labels)
+    after = smp.generator.get_state()
+    smp.generator.set_state(start)
+    ids2, log_q2 = smp.draw(q, 9)
+    assert torch.equal(ids, ids2) and torch.equal(smp.generator.get_state(), after)
+    torch.testing.assert_close(log_q, log_q2)
+    torch.testing.assert_close(log_q_labels, smp.score(q, labels))
+    assert log_q_labels[0, 0] == -math.inf and torch.isfinite(log_q_labels[1:]).all()
+
+    weights = (torch.arange(13) % 4 != 0).float()
+    smp.generator.set_state(start)
+    pool, log_qbar, log_qbar_labels = smp.draw_shared_scored(q, 17, labels[:, 0], row_weights=weights)
+    smp.generator.set_state(start)
+    pool2, log_qbar2 = smp.draw_shared(q, 17, row_weights=weights)
+    assert torch.equal(pool, pool2)
+    torch.testing.assert_close(log_qbar, log_qbar2)
+    torch.testing.assert_close(log_qbar_labels, smp.score_shared(q, labels[:, 0], row_weights=weights))
+    assert log_qbar_labels[0] == -math.inf

@@ -11,7 +11,8 @@ Every sampler offers
 * ``sample_shared(queries (T, D), P, row_weights=None) -> ids (P,), log_qbar (P,)``: one pool drawn from
   the batch mixture qbar(i) = sum_t w_t Q(i | z_t) / sum_t w_t (w_t = 1 without ``row_weights``);
 * ``draw`` / ``draw_shared``: the same draws without any argument check and without a host sync, for
-  the training hot path (:func:`hf_midx.sampled_softmax_loss` calls them once per step);
+  the training hot path; ``draw_scored`` / ``draw_shared_scored`` also return log Q of the labels
+  from the same evaluation of the proposal (:func:`hf_midx.sampled_softmax_loss` calls one per step);
 * ``refresh(embeddings (V, D))``: rebuild what the proposal keeps from the current class embeddings;
 * ``state_dict()`` / ``load_state_dict()``: tensors only, for safetensors checkpoints.
 
@@ -96,7 +97,7 @@ class Sampler:
     """Base class: validation, exclusion of exactly-scored classes, the shared-pool mixture, RNG and state.
 
     Subclasses implement ``_sample``, ``_log_prob`` and ``refresh`` in local ids [0, V'); they may
-    override ``_sample_scored`` and ``_log_prob_shared`` with faster versions.
+    override ``_log_prob_shared``, ``draw_scored`` and ``draw_shared_scored`` with faster versions.
     """
 
     name: ClassVar[str] = ""
@@ -275,15 +276,51 @@ class Sampler:
         if not self.query_dependent:
             ids, log_q = self._sample(q[:1], num_samples, gen)
             return self._to_global(ids[0]), log_q[0]
+        ids = self._draw_pool(q, num_samples, row_weights, gen)
+        return self._to_global(ids), self._log_prob_shared(q, ids, log_w)
+
+    def _draw_pool(self, q: torch.Tensor, num: int, row_weights: torch.Tensor | None, gen) -> torch.Tensor:
+        """(P,) local ids: each draw picks a query by its weight, then a class from that query's proposal."""
         if row_weights is None:
-            rows = gen.randint(q.shape[0], (num_samples,))
+            rows = gen.randint(q.shape[0], (num,))
         else:
             w = row_weights.detach().to(device=self.device, dtype=torch.float64)
             # clamp: an all-zero weight vector (no valid token) must still index a row.
-            rows = _inverse_cdf(w, num_samples, gen).clamp_max(q.shape[0] - 1)
-        ids, _ = self._sample(q[rows], 1, gen)
-        ids = ids[:, 0]
-        return self._to_global(ids), self._log_prob_shared(q, ids, log_w)
+            rows = _inverse_cdf(w, num, gen).clamp_max(q.shape[0] - 1)
+        return self._sample(q[rows], 1, gen)[0][:, 0]
+
+    def draw_scored(
+        self, queries: torch.Tensor, num_samples: int, ids: torch.Tensor, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`draw` plus :meth:`score` of given ids (the labels, for the corrected-positive
+        estimator); unchecked, no host sync. Query-dependent samplers override it to evaluate their
+        proposal once for both.
+
+        Args:
+            queries: (T, D) float32; num_samples: M >= 1; ids: (T, N) int64 global ids in [0, V).
+        Returns:
+            draws (T, M) int64 global ids, their log_q (T, M) float32, and log Q(ids | z_t) (T, N)
+            float32 (-inf for excluded classes).
+        """
+        draws, log_q = self.draw(queries, num_samples, generator=generator)
+        return draws, log_q, self.score(queries, ids)
+
+    def draw_shared_scored(
+        self,
+        queries: torch.Tensor,
+        num_samples: int,
+        ids: torch.Tensor,
+        row_weights: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`draw_shared` plus :meth:`score_shared` of given (N,) ids; unchecked, no host sync.
+
+        Returns:
+            pool (P,) int64 global ids, log_qbar (P,) float32, log qbar(ids) (N,) float32 (-inf for
+            excluded classes).
+        """
+        pool, log_q = self.draw_shared(queries, num_samples, row_weights, generator=generator)
+        return pool, log_q, self.score_shared(queries, ids, row_weights)
 
     def score(self, queries: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """:meth:`log_prob` without argument checks and without a host sync.

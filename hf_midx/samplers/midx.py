@@ -24,6 +24,7 @@ import warnings
 import torch
 
 from ..index import MidxIndex
+from ..rng import as_counter_rng
 from .base import Sampler, _chunks, _draw_from_cumsum, _inverse_cdf, check_counts, register, unigram_log_table
 
 LAST_STAGES = ("uniform", "frequency")
@@ -140,6 +141,7 @@ class MidxSampler(Sampler):
         if self._log_w is None:
             self._bucket_mass = idx.bucket_counts.double()
             self._cum_w = None
+            self._after_mass_change()
             return
         w = self._log_w.double().exp()
         k = idx.codebook_size
@@ -148,6 +150,12 @@ class MidxSampler(Sampler):
         self._bucket_mass = self._bucket_mass.view(k, k)
         # cum_w[j] = total weight of order[:j]: a bucket's members order[lo:hi] span [cum_w[lo], cum_w[hi]).
         self._cum_w = torch.cat([w.new_zeros(1), w[idx.order].cumsum(0)])
+        self._after_mass_change()
+
+    def _after_mass_change(self) -> None:
+        # Per-step work reads these; they change only with the index.
+        self._unused_k2 = self._bucket_mass.sum(0) == 0  # (K,) second-level codewords without classes
+        self._bucket_mass_f32 = self._bucket_mass.float()
 
     # -- the proposal
     def codeword_scores(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -170,8 +178,7 @@ class MidxSampler(Sampler):
         s1 = q[:, d1] @ c1.t()
         s2 = q[:, d2] @ c2.t()
         mass = self._bucket_mass
-        used = mass.sum(0) > 0
-        s2_used = s2.masked_fill(~used, -math.inf)  # a codeword without classes must not overflow e2
+        s2_used = s2.masked_fill(self._unused_k2, -math.inf)  # a codeword without classes must not overflow e2
         m2 = s2_used.amax(1, keepdim=True)
         e2 = (s2_used - m2).double().exp()
         psi = e2 @ mass.t()
@@ -200,7 +207,7 @@ class MidxSampler(Sampler):
         r = torch.where(psi > 0, p1 / psi, torch.zeros_like(psi)).float()
         for rows in _chunks(e2.shape[0], k * k):
             # (c, K, K) bucket probabilities, float32 (a bucket below e^-87 of the total is never drawn).
-            joint = r[rows].unsqueeze(2) * mass.float().unsqueeze(0) * e2[rows].float().unsqueeze(1)
+            joint = r[rows].unsqueeze(2) * self._bucket_mass_f32.unsqueeze(0) * e2[rows].float().unsqueeze(1)
             out[rows] = _inverse_cdf(joint.view(-1, k * k), m, gen)
         return out
 
@@ -229,11 +236,37 @@ class MidxSampler(Sampler):
         return torch.logaddexp(log_q_midx + math.log1p(-a), self._log_static[ids] + math.log(a))
 
     def _sample(self, q, m, gen):
-        s1, s2, log_z, e2, p1, psi = self._proposal(q)
+        return self._sample_from(self._proposal(q), q.shape[0], m, gen)
+
+    def draw_scored(self, queries, num_samples, ids, generator=None):
+        # One proposal for the draws and the scored ids: Sampler.draw_scored would compute it twice.
+        q = queries.detach().to(device=self.device, dtype=torch.float32)
+        prop = self._proposal(q)
+        draws, log_q = self._sample_from(prop, q.shape[0], num_samples, as_counter_rng(generator, self.generator))
+        local, keep = self._local(ids.to(self.device))
+        log_q_ids = self._mixed_log_q(self._midx_log_q(*prop[:3], local), local)
+        if keep is not None:
+            log_q_ids = log_q_ids.masked_fill(~keep, -math.inf)
+        return self._to_global(draws), log_q, log_q_ids
+
+    def draw_shared_scored(self, queries, num_samples, ids, row_weights=None, generator=None):
+        # The pool and the scored ids share one pass over the queries' codeword scores.
+        q = queries.detach().to(device=self.device, dtype=torch.float32)
+        log_w = self._log_row_weights(row_weights, q)
+        pool = self._draw_pool(q, num_samples, row_weights, as_counter_rng(generator, self.generator))
+        local, keep = self._local(ids.to(self.device))
+        both = self._log_prob_shared(q, torch.cat([pool, local]), log_w)
+        log_q, log_q_ids = both[:num_samples], both[num_samples:]
+        if keep is not None:
+            log_q_ids = log_q_ids.masked_fill(~keep, -math.inf)
+        return self._to_global(pool), log_q, log_q_ids
+
+    def _sample_from(self, prop, t: int, m: int, gen):
+        s1, s2, log_z, e2, p1, psi = prop
         ids = self._draw_in_bucket(self._draw_buckets(e2, p1, psi, m, gen), gen)
         if self._log_static is not None:
             # Each draw comes from the static component with probability a (both drawn, one kept: no sync).
-            static = _draw_from_cumsum(self._static_cum, m, gen, lead=(q.shape[0],))
+            static = _draw_from_cumsum(self._static_cum, m, gen, lead=(t,))
             pick = gen.rand(*ids.shape) < self.mix_weight
             ids = torch.where(pick, static, ids)
         return ids, self._mixed_log_q(self._midx_log_q(s1, s2, log_z, ids), ids)
@@ -330,6 +363,12 @@ class MidxExactSampler(MidxSampler):
 
     def _log_prob_shared(self, q, ids, log_w):
         return Sampler._log_prob_shared(self, q, ids, log_w)
+
+    def draw_scored(self, queries, num_samples, ids, generator=None):
+        return Sampler.draw_scored(self, queries, num_samples, ids, generator)
+
+    def draw_shared_scored(self, queries, num_samples, ids, row_weights=None, generator=None):
+        return Sampler.draw_shared_scored(self, queries, num_samples, ids, row_weights, generator)
 
     def _sample(self, q, m, gen):
         idx = self.index

@@ -146,8 +146,8 @@ def parse_args(argv=None):
     return common.parse(p, argv)
 
 
-def make_model(setting: dict, vocab: int, block: int, seed: int):
-    """The recipe's model (lm_recipe.build_model), or the setting's architecture from its config."""
+def make_model(setting: dict, vocab: int, block: int, seed: int, device: torch.device):
+    """The recipe's model (lm_recipe.build_model), or the setting's architecture from its config, on ``device``."""
     from transformers import set_seed  # noqa: PLC0415
 
     set_seed(seed)
@@ -156,11 +156,12 @@ def make_model(setting: dict, vocab: int, block: int, seed: int):
 
         config = AutoConfig.for_model(setting["arch"], vocab_size=vocab, **setting["config"])
         dtype = getattr(torch, setting.get("dtype", "float32"))
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        with device:  # initialized where it trains: a 0.5B model's CPU init alone takes many seconds
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     lm_recipe = common.import_recipe("lm_recipe")
     data = types.SimpleNamespace(vocab_size=vocab, eos_token_id=1)
     model_args = lm_recipe.ModelArguments(config_overrides=setting["overrides"])
-    return lm_recipe.build_model(model_args, data, block - 1)
+    return lm_recipe.build_model(model_args, data, block - 1).to(device)
 
 
 def run_setting(key: str, args, device, env, bf16: bool, warmup: int, steps: int) -> list[dict]:
@@ -186,7 +187,7 @@ def run_setting(key: str, args, device, env, bf16: bool, warmup: int, steps: int
         if case in kernels and kernels[case] is None:
             print(f"{case:16s} skipped: needs a GPU and the package ({'cut-cross-entropy' if case == 'cce' else 'liger-kernel'})")
             continue
-        model = make_model(s, v, block, args.seed).to(device)
+        model = make_model(s, v, block, args.seed, device)
         model.train()
         rec = {
             "setting": key,

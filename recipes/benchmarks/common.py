@@ -234,9 +234,10 @@ def time_op(
 ) -> dict[str, float]:
     """Milliseconds per call of ``fn`` (quantiles over ``repeats`` calls after ``warmup`` calls).
 
-    With ``budget_s``, repeats stop once their total passes the budget (at least one timed call), and
-    a warmup call that alone takes longer than the budget is taken as the single measurement
-    (``"warm": False`` in the result).
+    With ``budget_s``, repeats stop once their total passes the budget (at least one timed call). On
+    a CPU, a warmup call that alone takes longer than the budget is taken as the single measurement
+    (``"warm": False`` in the result); on a GPU never, since there the first call of a Triton kernel
+    (Liger, Cut Cross-Entropy) or of a compiled step includes its compilation (seconds to a minute).
     """
     times: list[float] = []
     spent = 0.0
@@ -246,7 +247,7 @@ def time_op(
         fn()
         sync(device)
         dt = time.perf_counter() - t0
-        if i == 0 and budget_s is not None and dt >= budget_s:
+        if i == 0 and budget_s is not None and dt >= budget_s and device.type == "cpu":
             # One call already fills the budget: it is the measurement (its one-time costs are noise here).
             return {**quantiles([dt * 1e3]), "warm": False}
     for _ in range(max(1, repeats)):
