@@ -1,0 +1,81 @@
+"""The GPU acceptance table from gpu_check.sh's outputs: the default head against the faster of Cut
+Cross-Entropy and Liger (head, T = 8192) and against the best exact loss (training step).
+
+Run: ``python recipes/benchmarks/gpu_summary.py RESULTS_DIR`` (the folder with bench_head.json and
+bench_e2e.json); prints Markdown and writes RESULTS_DIR/summary.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+SHAPES = {262144: "Gemma-3-270M", 151936: "Qwen2.5-0.5B", 128256: "Llama-3-8B", 256000: "Gemma-2-2B"}
+KERNELS = ("cce", "liger")
+
+
+def head_table(results: list[dict]) -> list[str]:
+    out = [
+        "| head (V x D) | HF | CCE | Liger | default, per-query | default, shared pool | per-query vs faster kernel | shared vs faster kernel | per-query memory vs CCE |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for v, name in SHAPES.items():
+        rows = {r["case"]: r for r in results if r["V"] == v and "ms" in r}
+        if not rows:
+            continue
+        kernels = [rows[k] for k in KERNELS if k in rows]
+        best = min(kernels, key=lambda r: r["ms"]) if kernels else None
+        pq, sh = rows.get("midx-default/per-query"), rows.get("midx-default/shared")
+
+        def ms(r):
+            return "-" if r is None else f"{r['ms']:.1f} ms, {r['peak_bytes'] / 2**20:,.0f} MiB"
+
+        def vs(r):
+            return "-" if r is None or best is None else f"{best['ms'] / r['ms']:.2f}x ({best['case']})"
+
+        mem = "-" if pq is None or "cce" not in rows else f"{pq['peak_bytes'] / rows['cce']['peak_bytes']:.2f}x"
+        d = next(iter(rows.values()))["D"]
+        out.append(
+            f"| {name} ({v:,} x {d}) | {ms(rows.get('hf'))} | {ms(rows.get('cce'))} | {ms(rows.get('liger'))} "
+            f"| {ms(pq)} | {ms(sh)} | {vs(pq)} | {vs(sh)} | {mem} |"
+        )
+    return out
+
+
+def e2e_table(results: list[dict]) -> list[str]:
+    out = [
+        "| model | full softmax (HF) | CCE | Liger | default | default vs best exact |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for setting in dict.fromkeys(r["setting"] for r in results):
+        rows = {r["case"]: r for r in results if r["setting"] == setting and "tokens_per_s" in r}
+
+        def cell(case):
+            r = rows.get(case)
+            return "-" if r is None else f"{r['tokens_per_s']:,.0f} tok/s, {r['peak_bytes'] / 2**30:.2f} GiB"
+
+        d = rows.get("midx-default")
+        vs = "-" if d is None else f"{d['speedup_vs_best_exact']:.2f}x ({d['best_exact']})"
+        out.append(f"| {setting} | {cell('hf-full')} | {cell('cce')} | {cell('liger')} | {cell('midx-default')} | {vs} |")
+    return out
+
+
+def main(argv=None) -> str:
+    folder = Path((argv or sys.argv[1:])[0])
+    head = json.loads((folder / "bench_head.json").read_text())
+    lines = [f"# GPU summary ({head['environment'].get('device', '?')})", ""]
+    lines += ["Head + loss, forward + backward, bf16, T = 8,192 tokens (median of up to 5 warm calls):", ""]
+    lines += head_table(head["results"])
+    e2e_path = folder / "bench_e2e.json"
+    if e2e_path.exists():
+        lines += ["", "Training step (forward, backward, AdamW), bf16, batch 4 x 2,048 tokens:", ""]
+        lines += e2e_table(json.loads(e2e_path.read_text())["results"])
+    text = "\n".join(lines) + "\n"
+    (folder / "summary.md").write_text(text)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
