@@ -19,7 +19,9 @@ def check_matrix(name: str, x: torch.Tensor, *, dim: int | None = None, finite: 
         raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}.")
     if dim is not None and x.shape[1] != dim:
         raise ValueError(f"{name} has {x.shape[1]} dims but {dim} were expected (shape {tuple(x.shape)}).")
-    if finite and x.numel() and not bool(torch.isfinite(x).all()):
+    # A NaN or Inf makes the sum non-finite: one cheap pass; only then (or on an overflowing sum of
+    # huge finite values) the elementwise test, which allocates a (rows, dims) mask.
+    if finite and x.numel() and not bool(torch.isfinite(x.sum())) and not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).any(dim=1).nonzero()[0, 0])
         raise ValueError(
             f"{name} contains NaN or Inf (first bad row: {bad}); check the model's weights and learning rate."

@@ -24,6 +24,9 @@ KMEANS_BACKENDS = ("torch", "faiss")
 
 # Rows of the (chunk, K) distance matrix per step: keeps k-means at O(chunk * K) extra memory.
 _ASSIGN_CHUNK = 65536
+#: Lloyd iterations see at most this many rows per centroid (a random subset, faiss's default of 256);
+#: every row is encoded once at the end. K = 64 then trains on 16,384 rows whatever V is.
+MAX_POINTS_PER_CENTROID = 256
 
 
 def assign(
@@ -42,8 +45,6 @@ def assign(
     x = x.float()
     c = centroids.float()
     c_sq = (c * c).sum(1)
-    if x_sq is None:
-        x_sq = (x * x).sum(1)
     codes = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     dist = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     for start in range(0, x.shape[0], _ASSIGN_CHUNK):
@@ -51,8 +52,10 @@ def assign(
         # ||x - c||^2 = ||x||^2 - 2 x.c + ||c||^2; the ||x||^2 term does not change the argmin.
         d = torch.addmm(c_sq.unsqueeze(0), xs, c.t(), alpha=-2.0)
         best, idx = d.min(dim=1)
+        # Row norms per chunk, while the chunk is in cache (no (N, D) temporary).
+        xs_sq = torch.linalg.vector_norm(xs, dim=1).square_() if x_sq is None else x_sq[start : start + xs.shape[0]]
         codes[start : start + xs.shape[0]] = idx
-        dist[start : start + xs.shape[0]] = (best + x_sq[start : start + xs.shape[0]]).clamp_min_(0.0)
+        dist[start : start + xs.shape[0]] = (best + xs_sq).clamp_min_(0.0)
     return codes, dist
 
 
@@ -89,10 +92,11 @@ def kmeans_torch(
     else:
         perm = torch.randperm(n, generator=generator)[:num_clusters].to(x.device)
         centroids = x[perm].clone()
-    x_sq = (x * x).sum(1)
+    x_sq = torch.linalg.vector_norm(x, dim=1).square_()
     codes, dist = assign(x, centroids, x_sq)
     for _ in range(iters):
-        sums = torch.zeros_like(centroids).index_add_(0, codes, x)
+        # Cluster sums as one (K, N) x (N, D) GEMM: index_add_ over many repeated codes is serial on CPU.
+        sums = torch.nn.functional.one_hot(codes, num_clusters).to(x.dtype).t() @ x
         counts = torch.bincount(codes, minlength=num_clusters)
         nonempty = counts > 0
         centroids = torch.where(nonempty.unsqueeze(1), sums / counts.clamp_min(1).unsqueeze(1).float(), centroids)
@@ -182,8 +186,17 @@ def encode(quantizer: str, x: torch.Tensor, codebooks: tuple[torch.Tensor, torch
     s1, s2 = split_dims(quantizer, x.shape[1])
     x = x.float()
     k1, _ = assign(x[:, s1], codebooks[0])
-    second = x[:, s2] - codebooks[0][k1] if quantizer == "rq" else x[:, s2]
-    k2, _ = assign(second, codebooks[1])
+    if quantizer == "pq":
+        return torch.stack([k1, assign(x[:, s2], codebooks[1])[0]], dim=1)
+    # Residuals r = x - c1[k1] are never formed: ||r - c2||^2 = ||r||^2 - 2 (x.c2 - c1[k1].c2) + ||c2||^2,
+    # and c1 . c2 is a (K, K) table.
+    c1, c2 = codebooks[0].float(), codebooks[1].float()
+    cross, c2_sq = c1 @ c2.t(), (c2 * c2).sum(1)
+    k2 = torch.empty_like(k1)
+    for start in range(0, x.shape[0], _ASSIGN_CHUNK):
+        rows = slice(start, start + _ASSIGN_CHUNK)
+        dot = x[rows] @ c2.t() - cross[k1[rows]]
+        k2[rows] = (c2_sq.unsqueeze(0) - 2.0 * dot).argmin(dim=1)
     return torch.stack([k1, k2], dim=1)
 
 
@@ -204,12 +217,17 @@ def train_quantizer(
     seed: int = 0,
     backend: str = "torch",
     check: bool = True,
+    max_points_per_centroid: int | None = MAX_POINTS_PER_CENTROID,
 ) -> TwoLevelCodes:
-    """Learn two codebooks of K codewords for (N, D) vectors ``x`` by k-means; O(N K D iters).
+    """Learn two codebooks of K codewords for (N, D) vectors ``x`` by k-means.
+
+    Costs O(min(N, K P) K D iters + N K D) with P = ``max_points_per_centroid``.
 
     Args:
         quantizer: "pq" or "rq".
         init: optional previous codebooks to warm-start both k-means runs.
+        max_points_per_centroid: P; with more than K P rows, k-means runs on a random subset of K P
+            rows (as faiss does by default, P = 256) and all N rows are then encoded; None uses all.
         check: scan ``x`` for NaN/Inf (one pass and a host sync); False when the caller has.
     """
     if quantizer not in QUANTIZERS:
@@ -225,12 +243,21 @@ def train_quantizer(
         raise ValueError("Product quantization splits the dims in two and needs D >= 2; use quantizer 'rq'.")
     s1, s2 = split_dims(quantizer, x.shape[1])
     x = x.detach().float()
-    c1, k1 = kmeans(x[:, s1], num_codewords, iters=iters, init=None if init is None else init[0], seed=seed, backend=backend)
-    second = x[:, s2] - c1[k1] if quantizer == "rq" else x[:, s2]
+    # Lloyd's iterations see at most K * MAX_POINTS_PER_CENTROID rows (faiss's rule); every row is
+    # encoded once at the end. The subset is fixed by the seed, so a resumed run rebuilds identically.
+    train = x
+    if max_points_per_centroid is not None and x.shape[0] > num_codewords * max_points_per_centroid:
+        keep = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))
+        train = x[keep[: num_codewords * max_points_per_centroid].to(x.device)]
+    c1, k1 = kmeans(
+        train[:, s1], num_codewords, iters=iters, init=None if init is None else init[0], seed=seed, backend=backend
+    )
+    second = train[:, s2] - c1[k1] if quantizer == "rq" else train[:, s2]
     c2, k2 = kmeans(
         second, num_codewords, iters=iters, init=None if init is None else init[1], seed=seed + 1, backend=backend
     )
-    return TwoLevelCodes(codebooks=(c1, c2), codes=torch.stack([k1, k2], dim=1))
+    codes = torch.stack([k1, k2], dim=1) if train is x else encode(quantizer, x, (c1, c2))
+    return TwoLevelCodes(codebooks=(c1, c2), codes=codes)
 
 
 def distortion(quantizer: str, x: torch.Tensor, result: TwoLevelCodes) -> float:

@@ -229,3 +229,34 @@ def test_degenerate_embeddings_build_a_valid_index(quantizer, emb, k):
     _assert_csr_consistent(index)
     assert bool(torch.isfinite(index.reconstruct()).all())
     assert index.distortion(emb) < 1e-8 or emb.shape[0] > k  # exact when every distinct row fits a codeword
+
+
+@pytest.mark.parametrize("quantizer", ["rq", "pq"])
+def test_subsampled_kmeans_keeps_quality_and_encodes_every_row(quantizer, make_clustered):
+    """With more than K * P rows, Lloyd's iterations run on K * P of them (faiss's rule) and every row
+    is then encoded: codes are the nearest codewords, and the distortion stays within 5% of k-means
+    on all rows (a quality bound, not equality: both are local optima)."""
+    emb, _ = make_clustered(6000, 24, num_queries=1, seed=4)
+    k, p = 16, 32  # trains on 512 of the 6,000 rows
+    sub = quantizers.train_quantizer(quantizer, emb, k, seed=0, max_points_per_centroid=p)
+    full = quantizers.train_quantizer(quantizer, emb, k, seed=0, max_points_per_centroid=None)
+    assert torch.equal(sub.codes, quantizers.encode(quantizer, emb, sub.codebooks))
+    d_sub, d_full = quantizers.distortion(quantizer, emb, sub), quantizers.distortion(quantizer, emb, full)
+    assert d_sub <= 1.05 * d_full, (d_sub, d_full)
+    again = quantizers.train_quantizer(quantizer, emb, k, seed=0, max_points_per_centroid=p)
+    assert torch.equal(again.codes, sub.codes)  # the subset is fixed by the seed: rebuilds repeat
+
+
+def test_rq_encode_without_residuals_matches_the_residual_assignment(make_clustered):
+    emb, _ = make_clustered(700, 12, num_queries=1, seed=5)
+    res = quantizers.train_quantizer("rq", emb, 8, seed=0)
+    c1, c2 = res.codebooks
+    k1, _ = quantizers.assign(emb, c1)
+    k2, _ = quantizers.assign(emb - c1[k1], c2)
+    codes = quantizers.encode("rq", emb, res.codebooks)
+    assert torch.equal(codes[:, 0], k1)
+    # Equal up to float ties: the chosen codeword is as near as the residual's nearest.
+    r = emb - c1[k1]
+    d_enc = ((r - c2[codes[:, 1]]) ** 2).sum(1)
+    d_ref = ((r - c2[k2]) ** 2).sum(1)
+    torch.testing.assert_close(d_enc, d_ref, rtol=1e-5, atol=1e-5)
