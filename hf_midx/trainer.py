@@ -6,13 +6,16 @@ checks) is :class:`~hf_midx.MidxCallback`, which works with any Trainer; checkpo
 
 * evaluation with the exact full-softmax loss, without materializing the logits when only the loss
   is needed, plus ``eval_perplexity``;
-* the causal-LM token count of the gradient-accumulation normalization: the MIDX head always shifts
-  the labels, so ``num_items_in_batch`` is counted over ``labels[..., 1:]`` (GPT-2 declares no
-  ``loss_type`` in transformers 5.x, and a plain Trainer then scales its losses by S / (S + 1));
-* a check of the checkpoint's MIDX state before ``train(resume_from_checkpoint=...)`` loads anything;
+* a check of the checkpoint's MIDX state before ``train(resume_from_checkpoint=...)`` loads anything,
+  and that folder handed to the callback;
 * ``train_tokens_per_second`` in the final metrics, counted on the device (no sync per micro-batch);
-* the MIDX sampler state written *before* the Trainer's checkpoint files (so a checkpoint pushed to
-  the Hub holds it), and a MIDX model card plus ``midx_config.json`` from ``save_model`` / ``push_to_hub``.
+* the MIDX sampler state written by ``save_model`` into a checkpoint folder, before the Trainer's
+  optimizer and state files (so a checkpoint pushed to the Hub holds it), and a MIDX model card plus
+  ``midx_config.json`` from ``save_model`` / ``push_to_hub``.
+
+Only public Trainer methods are overridden. The token count of the gradient-accumulation
+normalization over ``labels[..., 1:]`` comes from the wrapped model's ``loss_type``
+(:class:`hf_midx.wrap.HostBinding`), so a plain Trainer counts the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import os
 
 import torch
 from transformers import Trainer
-from transformers.trainer_callback import DefaultFlowCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from . import model_card as _model_card
@@ -62,10 +64,10 @@ class PerplexityMixin:
 
 
 class MidxTrainer(PerplexityMixin, Trainer):
-    """``transformers.Trainer`` for models whose LM head was wrapped by :meth:`MidxLMHead.wrap`.
+    """``transformers.Trainer`` for models whose LM head was wrapped by :func:`hf_midx.wrap`.
 
-    Takes every argument ``Trainer`` takes and installs a :class:`~hf_midx.MidxCallback` (unless one
-    is passed in ``callbacks``). The MIDX options come from the head's :class:`~hf_midx.MidxConfig`.
+    Takes every argument ``Trainer`` takes and installs a :class:`~hf_midx.MidxCallback` (the one in
+    ``callbacks``, if any). The MIDX options come from the head's :class:`~hf_midx.MidxConfig`.
 
     Raises:
         ValueError: the model has no MIDX head, or an option needs the full logits during training
@@ -86,19 +88,7 @@ class MidxTrainer(PerplexityMixin, Trainer):
                 "and returns no full logits during training."
             )
         self._midx_find_head()
-        # The MIDX head always applies ForCausalLMLoss semantics (labels shifted by one), whatever the
-        # model's loss_type says: the Trainer must count num_items_in_batch over labels[..., 1:].
-        self._loss_shifts_labels = True
-        callbacks = self.callback_handler.callbacks
-        callback = next((cb for cb in callbacks if isinstance(cb, MidxCallback)), None)
-        if callback is None:
-            callback = MidxCallback()
-        else:
-            callbacks.remove(callback)
-        # Right after the flow callback: the reporting integrations then see the midx/ log keys.
-        flow = next((i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)), -1)
-        callbacks.insert(flow + 1, callback)
-        self.midx_callback: MidxCallback = callback
+        self.midx_callback: MidxCallback = MidxCallback.install(self)
 
     # ------------------------------------------------------------------ public
     @property
@@ -130,16 +120,6 @@ class MidxTrainer(PerplexityMixin, Trainer):
         if callback.head is None:
             callback.head = self.midx_head
         return callback.refresh(self.state)
-
-    def measure_kl(self) -> float | None:
-        """KL(Q || softmax) of the sampler on the latest training hidden states, averaged over processes.
-
-        None before the first training step. Collective when distributed.
-        """
-        callback = self.midx_callback
-        if callback.head is None:
-            callback.head = self.midx_head
-        return callback.measure_kl()
 
     # ------------------------------------------------------------------ Trainer overrides
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
@@ -190,19 +170,15 @@ class MidxTrainer(PerplexityMixin, Trainer):
             logs["train_tokens_per_second"] = round(tokens / max(logs["train_runtime"], 1e-9), 3)
         super().log(logs, start_time)
 
-    def _save_checkpoint(self, model, trial) -> None:
-        run_dir = self._get_output_dir(trial=trial)
-        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        # Written before the Trainer's files, so a checkpoint pushed to the Hub already holds them.
-        if self.midx_callback.head is not None:
-            self.midx_callback.save(folder, self.args)
-        super()._save_checkpoint(model, trial)
-
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """``Trainer.save_model`` (a plain transformers model) plus ``midx_config.json`` and, when called by
-        the user, a MIDX model card ``README.md``."""
-        super().save_model(output_dir, _internal_call=_internal_call)
+        """``Trainer.save_model`` (a plain transformers model) plus ``midx_config.json``; into this step's
+        checkpoint folder also the MIDX state (every process); when called by the user, a MIDX card."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.midx_callback.head is not None and os.path.basename(os.path.normpath(output_dir)) == checkpoint:
+            # The Trainer saves the model first into a checkpoint, then its own files, then pushes it.
+            self.midx_callback.save(output_dir, self.args)
+        super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:
             self.midx_config.save_pretrained(output_dir)
             if not _internal_call:
@@ -246,7 +222,7 @@ class MidxTrainer(PerplexityMixin, Trainer):
             head = find_head(self.accelerator.unwrap_model(self.model))
         if head is None:
             raise ValueError(
-                "MidxTrainer needs a model whose LM head is a MidxLMHead: call MidxLMHead.wrap(model, ...) first "
+                "MidxTrainer needs a model whose LM head is a MidxLMHead: call hf_midx.wrap(model, ...) first "
                 "(for model_init, wrap the model inside it)."
             )
         return head

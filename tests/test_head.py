@@ -79,7 +79,7 @@ def test_wrap_keeps_keys_ties_and_exact_eval(arch):
     assert torch.isfinite(out.loss) and out.loss.dtype == torch.float32
     out.loss.backward()
     assert head.weight.grad is not None and torch.isfinite(head.weight.grad).all()
-    assert head.mode == "full"  # switched back after the call
+    assert not head.capturing  # switched back after the call
     model.zero_grad()
 
     # Eval mode: the original head; same logits and loss as the unwrapped model.
@@ -499,7 +499,7 @@ def test_a_deep_copy_is_an_independent_wrapped_model():
     model, _ = _wrapped("gpt2")
     twin = copy.deepcopy(model)
     head, twin_head = MidxLMHead.find(model), MidxLMHead.find(twin)
-    assert twin_head is not head and twin_head._host is twin
+    assert twin_head is not head and twin_head.binding.host is twin
     assert twin_head.weight is twin.transformer.wte.weight
     twin.train()
     ids = _ids()
@@ -575,7 +575,7 @@ def test_labels_out_of_range_are_named():
         model.train()
         with pytest.raises(RuntimeError, match=rf"labels outside \[0, {VOCAB}\)"):
             model(input_ids=ids, labels=labels)
-        assert head.mode == "full"  # reset after the failed call
+        assert not head.capturing  # reset after the failed call
         model.eval()
         with torch.no_grad(), head.exact_loss_only(), pytest.raises(ValueError, match=str(bad)):
             model(input_ids=ids, labels=labels)
