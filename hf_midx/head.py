@@ -1,20 +1,12 @@
 """MidxLMHead: the LM-head layer that trains with the MIDX sampled softmax and predicts with the full one.
 
-This module is the layer only: its forward, its loss and its sampler. Putting it into a model and
-taking it out again (the hooks on the owning model, the model's ``loss_function``, TRL's fused output)
-is :mod:`hf_midx.wrap`, as peft keeps ``get_peft_model`` apart from its layers. All state is per
-instance; no class is patched.
-
-* The head registers the *same* ``weight`` (and ``bias``) ``Parameter`` s as the ``nn.Linear`` it
-  replaces, so ``model.state_dict()`` keeps exactly the original keys, tied weights stay tied and
-  ``save_pretrained`` writes a plain transformers checkpoint. The original ``nn.Linear`` is kept in
-  ``head.linear`` (not a submodule).
-* :meth:`MidxLMHead.forward` returns full logits, unless :attr:`MidxLMHead.capturing` is set (by the
-  host binding, for a call with labels in training mode or inside :meth:`exact_loss_only`): then it
-  keeps its input for :meth:`loss_from_hidden` and returns a zero-width (B, S, 0) placeholder, so no
-  (tokens x vocab) tensor is ever built.
-* Per sampled call the head records in :attr:`step_data` (:class:`~hf_midx.step_data.StepData`), on
-  the device, what the callback reads at its next logging step.
+The layer only (forward, loss, sampler); putting it into a model and taking it out again is
+:mod:`hf_midx.wrap`, as peft keeps ``get_peft_model`` apart from its layers. The head holds the *same*
+``weight`` / ``bias`` Parameters as the ``nn.Linear`` it replaces, so ``state_dict`` keys, weight ties
+and ``save_pretrained`` stay those of the plain model. It returns full logits, unless ``capturing`` is
+set for a call (training with labels, or :meth:`~MidxLMHead.exact_loss_only`): then it keeps its input
+for :meth:`~MidxLMHead.loss_from_hidden` and returns a (B, S, 0) placeholder, so no (tokens x vocab)
+tensor is built. Each sampled call is recorded in ``step_data`` for the callback.
 
 Shapes: B batch, S sequence, T = B*S tokens, D hidden dims, V classes, H exact-head classes.
 """
@@ -56,8 +48,8 @@ class MidxLMHead(nn.Module):
             at most V // 8), scored exactly for every token; or None.
         capturing: set by the host binding for one call: keep the input, return (B, S, 0).
         step_data: the :class:`~hf_midx.step_data.StepData` the callback reads.
-        binding: the :class:`hf_midx.wrap.HostBinding` that put this head in a model (set and
-            cleared by :func:`hf_midx.wrap` / :func:`hf_midx.unwrap`; the head never reads it).
+        binding: the :class:`hf_midx.wrap.HostBinding` that put this head in a model, or None (kept
+            here for :func:`hf_midx.unwrap`; the head never reads it).
     """
 
     def __init__(
@@ -87,8 +79,7 @@ class MidxLMHead(nn.Module):
         self._class_counts = class_counts
         self._exact_depth = 0
         self._hidden: torch.Tensor | None = None
-        self._warned_full_training = False
-        self.exact_ids: torch.Tensor | None = self._pick_exact_ids(config, class_counts, self.num_classes)
+        self.exact_ids: torch.Tensor | None = exact_head_ids(config, class_counts, self.num_classes)
         self.sampler: Sampler = self._build_sampler(self.weight)
         self._release_linear()  # last: a failed construction leaves the model's Linear as it was
 
@@ -113,15 +104,6 @@ class MidxLMHead(nn.Module):
         if self.capturing:
             self._hidden = hidden
             return hidden.new_zeros((*hidden.shape[:-1], 0))
-        if self.training and torch.is_grad_enabled() and not self._warned_full_training:
-            self._warned_full_training = True
-            warnings.warn(
-                "MidxLMHead computed full logits in training mode with gradients: the model was called without "
-                "labels, so whatever loss the caller builds from these logits trains the full softmax, not the "
-                "sampled one (e.g. label smoothing or a compute_loss_func). Pass labels to the model to train "
-                "with MIDX.",
-                stacklevel=2,
-            )
         if type(self.linear) is nn.Linear:
             # The head's own parameters: under FSDP2 they are the unsharded ones during forward.
             return F.linear(hidden, self.weight, self.bias)
@@ -153,31 +135,6 @@ class MidxLMHead(nn.Module):
             self.linear._parameters["bias"] = None
 
     # ------------------------------------------------------------------ sampler
-    @staticmethod
-    def _pick_exact_ids(config: MidxConfig, class_counts, num_classes: int) -> torch.Tensor | None:
-        """The min(config.exact_head, V // 8) most frequent classes, sorted; None when off or without counts (warned)."""
-        h = config.exact_head
-        if h == 0:
-            return None
-        if class_counts is None:
-            warnings.warn(
-                f"MidxLMHead: exact_head={h} needs class_counts (training-token frequencies) to pick the most "
-                "frequent classes; without them the exact head is off. Pass class_counts= to wrap.",
-                UserWarning,
-                stacklevel=4,
-            )
-            return None
-        # At most V/8: a small vocabulary keeps most of its classes in the sampled part (and a default
-        # made for V in the tens of thousands still works on a tiny test model).
-        h = min(h, num_classes // 8)
-        if h == 0:
-            return None
-        counts = torch.as_tensor(class_counts).double().flatten()
-        if counts.shape[0] != num_classes:
-            raise ValueError(f"class_counts must have shape ({num_classes},), got {tuple(counts.shape)}.")
-        # stable ranking: ties broken by class id, so every rank picks the same head.
-        return torch.sort(torch.sort(-counts, stable=True).indices[:h]).values
-
     def _build_sampler(self, weight: torch.Tensor) -> Sampler:
         exclude = None if self.exact_ids is None else self.exact_ids.to(weight.device)
         return build_sampler(
@@ -260,14 +217,11 @@ class MidxLMHead(nn.Module):
 
         Args:
             hidden: (B, S, D) (or (N, D)) hidden states the model passed to the head.
-            labels: (B, S) unshifted labels; shifted left by one and padded with ``ignore_index``
-                unless ``shift_labels`` is given.
-            shift_labels: already-shifted labels with one entry per hidden state.
-            num_items_in_batch: if given, the loss is the sum over tokens divided by this count
-                (the Trainer's gradient-accumulation normalization); otherwise the mean.
+            labels: (B, S) unshifted labels (shifted here), unless ``shift_labels`` (N,) is given.
+            num_items_in_batch: if given, the sum over tokens divided by this count (the Trainer's
+                gradient-accumulation normalization); otherwise the mean.
             exact: full softmax (exact, chunked) instead of the sampled softmax.
-            reduction: "none" for the (N,) float32 per-token losses (0 at ignored tokens); by default
-                "sum" with ``num_items_in_batch``, else "mean".
+            reduction: "none" for the (N,) float32 per-token losses (0 at ignored tokens).
             weight, bias: the full (V, D) weight and (V,) bias to use instead of the head's own, e.g.
                 gathered from shards outside the model's forward.
         Returns:
@@ -300,32 +254,17 @@ class MidxLMHead(nn.Module):
                 bias = None if bias is None else bias * self.logit_scale
             if exact:
                 loss = full_softmax_loss(
-                    h,
-                    weight,
-                    y,
-                    bias=bias,
-                    ignore_index=ignore_index,
-                    reduction=reduction,
+                    h, weight, y, bias=bias, ignore_index=ignore_index, reduction=reduction,
                     logit_softcap=self.logit_softcap,
                 )
             else:
                 cfg = self.config
                 sampler = self._sampler_on(weight.device)
                 loss = sampled_softmax_loss(
-                    h,
-                    weight,
-                    y,
-                    sampler,
-                    cfg.num_samples,
-                    bias=bias,
-                    negatives=cfg.negatives,
-                    ignore_index=ignore_index,
-                    remove_accidental_hits=cfg.remove_accidental_hits,
-                    reduction=reduction,
-                    logit_softcap=self.logit_softcap,
-                    check_labels=False,
-                    estimator=cfg.estimator,
-                    exact_ids=sampler.excluded,  # the exact head, kept on the sampler's device
+                    h, weight, y, sampler, cfg.num_samples, bias=bias, negatives=cfg.negatives,
+                    ignore_index=ignore_index, remove_accidental_hits=cfg.remove_accidental_hits,
+                    reduction=reduction, logit_softcap=self.logit_softcap, check_labels=False,
+                    estimator=cfg.estimator, exact_ids=sampler.excluded,  # the exact head, on the sampler's device
                 )
                 self.step_data.record(raw, y, ignore_index, loss)
         if num_items_in_batch is not None and reduction != "none":
@@ -385,6 +324,33 @@ class MidxLMHead(nn.Module):
         return find_head(model)
 
 
+def exact_head_ids(config: MidxConfig, class_counts, num_classes: int) -> torch.Tensor | None:
+    """(H,) ids of the exact head: the min(config.exact_head, V // 8) most frequent classes, sorted;
+    None when off or without counts (warned)."""
+    h = config.exact_head
+    if h == 0:
+        return None
+    if class_counts is None:
+        warnings.warn(
+            f"MidxLMHead: exact_head={h} needs class_counts (training-token frequencies) to pick the most "
+            "frequent classes; without them the exact head is off. Pass class_counts= to wrap.",
+            UserWarning,
+            stacklevel=4,
+        )
+        return None
+    # At most V/8: a small vocabulary keeps most of its classes in the sampled part (and a default
+    # made for V in the tens of thousands still works on a tiny test model).
+    h = min(h, num_classes // 8)
+    if h == 0:
+        return None
+    counts = torch.as_tensor(class_counts).double().flatten()
+    if counts.shape[0] != num_classes:
+        raise ValueError(f"class_counts must have shape ({num_classes},), got {tuple(counts.shape)}.")
+    # stable ranking: ties broken by class id, so every rank picks the same head.
+    return torch.sort(torch.sort(-counts, stable=True).indices[:h]).values
+
+
+
 def find_head(model: nn.Module) -> MidxLMHead | None:
     """The ``MidxLMHead`` inside ``model`` (through PEFT / compile / FSDP wrappers too), or None."""
     if not isinstance(model, nn.Module):
@@ -395,4 +361,4 @@ def find_head(model: nn.Module) -> MidxLMHead | None:
     return None
 
 
-__all__ = ["MidxLMHead", "find_head"]
+__all__ = ["MidxLMHead", "exact_head_ids", "find_head"]

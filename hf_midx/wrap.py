@@ -104,7 +104,7 @@ class HostBinding:
             self.labels_position = None
         self._exact = False
         self._fused: dict[str, Any] | None = None  # set for a training call with fused_lm_head=True
-        self._warned_unhooked = self._warned_unscheduled = False
+        self._warned_unhooked = self._warned_unscheduled = self._warned_full_training = False
 
     def attach(self) -> None:
         """Register the hooks, replace the host's ``loss_function`` and declare its loss type."""
@@ -155,6 +155,15 @@ class HostBinding:
             # only when it gets labels, and the loss then uses shift_labels (ForCausalLMLoss semantics).
             labels = kwargs["shift_labels"]
         self.reset()
+        if labels is None and head.training and torch.is_grad_enabled() and not self._warned_full_training:
+            self._warned_full_training = True
+            warnings.warn(
+                "MidxLMHead computed full logits in training mode with gradients: the model was called without "
+                "labels, so whatever loss the caller builds from these logits trains the full softmax, not the "
+                "sampled one (e.g. label smoothing or a compute_loss_func). Pass labels to the model to train "
+                "with MIDX.",
+                stacklevel=2,
+            )
         if labels is None or not (head.exact_only or head.training):
             return None
         head.capturing, self._exact = True, head.exact_only

@@ -601,3 +601,36 @@ def test_wrap_refuses_models_that_post_process_logits():
     with pytest.raises(ValueError, match="transforms the LM head's output"):
         MidxLMHead.wrap(model, **SMALL)
     assert type(model.lm_head) is nn.Linear and not model._forward_pre_hooks
+
+
+# ====================================================================== layer and surgery apart
+def test_wrap_and_unwrap_are_free_functions_and_the_aliases_still_work():
+    import hf_midx
+    import hf_midx.wrap  # noqa: F401  (the module of the same name does not shadow the function)
+
+    assert callable(hf_midx.wrap) and hf_midx.wrap.__module__ == "hf_midx.wrap"
+    model = tiny_model("llama")
+    assert hf_midx.wrap(model, **SMALL) is model
+    head = MidxLMHead.find(model)
+    assert head.binding is not None and len(head.binding.handles) == 2
+    assert hf_midx.unwrap(model) is model and head.binding is None and MidxLMHead.find(model) is None
+    assert MidxLMHead.wrap(model, **SMALL) is model and MidxLMHead.unwrap(model) is model
+
+
+def test_the_layer_imports_nothing_of_the_surgery():
+    """head.py imports nothing from wrap.py (which imports it), and no file reads another's private names."""
+    import ast
+    import pathlib
+    import re
+
+    import hf_midx
+
+    package = pathlib.Path(hf_midx.__file__).parent
+    tree = ast.parse((package / "head.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m and m.split(".")[-1] == "wrap"}, imported
+    for name in ("wrap.py", "callback.py", "trainer.py", "state.py"):
+        text = (package / name).read_text()
+        assert not re.findall(r"\bhead\._[a-z]", text), name
+    assert "_forward_hooks" not in (package / "wrap.py").read_text()
