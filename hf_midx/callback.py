@@ -489,7 +489,7 @@ class MidxCallback(TrainerCallback):
                     head.sampler, queries.to(weight.device), weight, bias, num_samples=head.config.num_samples
                 )
                 for key, value in diag.items():
-                    if key == "head_mass" and head.sampler.excluded is None:
+                    if key == "head_mass" and head.exact_ids is None:
                         continue
                     self._pending["midx/kl" if key == "kl_qp" else f"midx/{key}"] = _mean_over_ranks(value)
             exact = head.last_batch_exact_loss(weight, bias)

@@ -274,3 +274,24 @@ def test_the_wrapped_model_declares_a_causal_lm_loss(tmp_path):
         assert int(count) == int(batch["labels"][..., 1:].ne(-100).sum())
     hf_midx.unwrap(model)
     assert model.loss_type == before
+
+
+def test_a_plain_resume_finds_the_checkpoint_in_output_dir(tmp_path):
+    """The fallback: resume_from_checkpoint=True loads <output_dir>/checkpoint-<step>, and so does the callback."""
+    first, _ = _plain_trainer(tmp_path / "run", max_steps=4)
+    first.train()
+    again, _ = _plain_trainer(tmp_path / "run", max_steps=6)
+    head = MidxLMHead.find(again.model)
+    again.train(resume_from_checkpoint=True)
+    assert again.state.global_step == 6 and head.step_data.calls == 2
+
+
+def test_a_callback_not_installed_says_the_reporters_may_miss_its_keys(tmp_path):
+    model = hf_midx.wrap(tiny_model("gpt2", vocab_size=VOCAB), num_samples=32, codebook_size=8, kmeans_iters=2)
+    trainer = Trainer(
+        model=model, args=training_args(tmp_path, max_steps=1), train_dataset=RowsDataset(markov_rows(8)),
+        callbacks=[MidxCallback()],
+    )
+    trainer.args.report_to = ["wandb"]  # as if the integration were installed (the reporters are already built)
+    with pytest.warns(UserWarning, match=r"\['wandb'\] may run before it.*MidxCallback.install\(trainer\)"):
+        trainer.train()
