@@ -506,6 +506,9 @@ def test_a_deep_copy_is_an_independent_wrapped_model():
     assert twin(input_ids=ids, labels=ids).logits.shape[-1] == 0
     MidxLMHead.unwrap(twin)
     assert MidxLMHead.find(model) is head
+    # The twin's hook handles were its own: unwrapping it left the original's hooks in place.
+    model.train()
+    assert model(input_ids=ids, labels=ids).logits.shape[-1] == 0
 
 
 # ====================================================================== bad input
