@@ -2,9 +2,10 @@
 
 The algorithm (``index``, ``quantizers``, ``samplers``, ``loss``, ``codebooks``, ``diagnostics``,
 ``rng``) is plain PyTorch.
-The Hugging Face layer (``config``, ``head``, ``wrap``, ``callback``, ``state``, ``trainer``,
-``model_card``) is imported lazily, so ``import hf_midx`` does not import transformers until one of
-its names is used.
+The Hugging Face layer (``config``, ``head``, ``callback``, ``state``, ``trainer``, ``model_card``)
+is imported lazily, so ``import hf_midx`` does not import transformers' models or Trainer until one
+of its names is used. ``wrap`` / ``unwrap`` are bound at import: the functions share the name of
+their module ``hf_midx.wrap``, which a lazy lookup would leave in their place.
 """
 
 from importlib import import_module
@@ -16,6 +17,7 @@ from .loss import full_softmax_loss, sampled_softmax_loss
 from .rng import CounterRNG
 from .samplers import SAMPLERS, Sampler, build_sampler, kl_to_softmax
 from .version import __version__
+from .wrap import unwrap, wrap
 
 # Public names of the transformers layer -> the module that defines them.
 _LAZY = {
@@ -53,5 +55,7 @@ __all__ = sorted(
         "proposal_diagnostics",
         "refresh_index",
         "sampled_softmax_loss",
+        "unwrap",
+        "wrap",
     ]
 )

@@ -1,7 +1,7 @@
 """MidxCallback: the MIDX schedule for any transformers ``Trainer`` (plain, TRL's SFTTrainer, MidxTrainer).
 
-Add it to a Trainer whose model's LM head was wrapped with ``MidxLMHead.wrap``:
-``Trainer(..., callbacks=[MidxCallback()])``. It
+Install it on a Trainer whose model was wrapped with :func:`hf_midx.wrap`:
+``MidxCallback.install(trainer)`` (MidxTrainer does this itself). It
 
 * refreshes the index from the current head weight every ``refresh_every_steps`` optimizer steps
   and/or at the start of every epoch (warm-started k-means, or the learned codebooks' hard codes), on
@@ -24,12 +24,14 @@ No host sync per micro-batch: the head records its per-call data on the device, 
 it at logging, evaluation, save and refresh steps (where the Trainer syncs anyway) and at the last step.
 The learned codebooks' step (``codebooks="learned"``) validates its inputs, one sync per optimizer step.
 
-The callback finds the checkpoint a resumed run loaded: its ``resume_from_checkpoint`` attribute
-(set by ``MidxTrainer.train``, or by you), else the ``resume_from_checkpoint`` argument of the
-running ``Trainer.train`` call (read from the call stack), else ``args.resume_from_checkpoint``, else
+A callback gets no handle on its Trainer, and this one looks at no call frames: what it needs beyond
+the event arguments is given to it. :meth:`MidxCallback.install` places it right after the Trainer's
+flow callback, so that the reporting integrations (TensorBoard, W&B, ...), which run in list order,
+see the ``midx/`` keys it adds to a log entry (``callbacks=[MidxCallback()]`` puts it after them). A
+resumed run's sampler state is read from ``MidxCallback(resume_from_checkpoint=...)`` (MidxTrainer
+sets it from ``train``'s argument), else ``args.resume_from_checkpoint``, else
 ``<output_dir>/checkpoint-<step>``: the first of these whose ``trainer_state.json`` has the step
-training resumes at. At train start it moves itself right after the Trainer's flow callback, so that the
-reporting integrations (TensorBoard, W&B, ...) see the ``midx/`` keys it adds to a log entry.
+training resumes at.
 
 Distributed: every rank must run the callback (the Trainer does). FSDP2 heads (``DTensor`` weights)
 are gathered with ``full_tensor()`` and DeepSpeed ZeRO-3 ones with ``GatheredParameters`` for each
@@ -43,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import time
 import warnings
 
@@ -51,12 +52,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import TrainerCallback
-from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+from transformers.trainer_callback import DefaultFlowCallback
 
 from .codebooks import LearnableCodebooks
 from .diagnostics import proposal_diagnostics
 from .head import MidxLMHead, find_head
-from .samplers import MidxSampler, kl_to_softmax
+from .samplers import MidxSampler
 from .state import MIDX_STATE_NAME, apply_state, has_state, read_state, sampler_tensors, save_state
 
 _NO_STEP = 1 << 62
@@ -64,7 +65,8 @@ _NO_STEP = 1 << 62
 
 def _counter_copy(head) -> torch.Tensor | None:
     """A copy of the head's device call counter (None before its first sampled call); no sync."""
-    return None if head.call_counter is None else head.call_counter.clone()
+    counter = head.step_data.call_counter
+    return None if counter is None else counter.clone()
 
 
 class MidxNonFiniteError(FloatingPointError):
@@ -152,7 +154,7 @@ def refresh_index(model: nn.Module, *, codebooks: tuple[torch.Tensor, torch.Tens
     (:class:`MidxCallback` calls it on its schedule).
 
     Args:
-        model: a model wrapped with ``MidxLMHead.wrap`` (or any module containing its head).
+        model: a model wrapped with :func:`hf_midx.wrap` (or any module containing its head).
         codebooks: the learned codebooks to adopt (MIDX samplers) instead of re-running k-means.
     Raises:
         ValueError: the model has no MIDX head.
@@ -160,7 +162,7 @@ def refresh_index(model: nn.Module, *, codebooks: tuple[torch.Tensor, torch.Tens
     """
     head = find_head(model)
     if head is None:
-        raise ValueError("refresh_index needs a model whose LM head was wrapped with MidxLMHead.wrap(model, ...).")
+        raise ValueError("refresh_index needs a model whose LM head was wrapped with hf_midx.wrap(model, ...).")
     return _refresh_head(head, codebooks)
 
 
@@ -168,34 +170,69 @@ def refresh_index(model: nn.Module, *, codebooks: tuple[torch.Tensor, torch.Tens
 class MidxCallback(TrainerCallback):
     """The MIDX schedule (refresh, learned codebooks, logging, checkpoints, NaN checks) as a ``TrainerCallback``.
 
-    Takes no arguments: the options come from the head's :class:`~hf_midx.MidxConfig`.
+    The options come from the head's :class:`~hf_midx.MidxConfig`. Put it on a Trainer with
+    :meth:`install`, which places it ahead of the reporting integrations.
+
+    Args:
+        resume_from_checkpoint: the checkpoint folder that ``trainer.train(resume_from_checkpoint=...)``
+            loads, when it is not ``<output_dir>/checkpoint-<step>``: the sampler state is read from it
+            when training resumes (once; MidxTrainer sets it from ``train``'s argument).
 
     Attributes:
         head: the wrapped head being trained (found at train start).
         codebook_learner, codebook_optimizer: the learned codebooks and their Adam, or None.
         last_refresh_step: the optimizer step of the last refresh (-1: none since training started).
-        resume_from_checkpoint: the checkpoint folder to restore the sampler state from when training
-            resumes (optional; found automatically in the usual cases, see the module docstring).
+        resume_from_checkpoint: as the argument; cleared once training has started.
+        installed: True when :meth:`install` placed it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, resume_from_checkpoint: str | os.PathLike | None = None) -> None:
+        if resume_from_checkpoint is not None and not isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            raise ValueError(
+                f"resume_from_checkpoint must be a checkpoint folder path, got {type(resume_from_checkpoint).__name__}."
+            )
         self.head: MidxLMHead | None = None
         self.codebook_learner: LearnableCodebooks | None = None
         self.codebook_optimizer: torch.optim.Optimizer | None = None
         self.last_refresh_step = -1
-        self.resume_from_checkpoint: str | None = None
+        self.resume_from_checkpoint = None if resume_from_checkpoint is None else os.fspath(resume_from_checkpoint)
+        self.installed = False
         self._pending: dict[str, torch.Tensor | float] = {}
         self._marks: dict[int, tuple[int, float | None]] = {}  # step -> (head.sampled_calls, epoch) at its end
         self._saved_folder: str | None = None
         self._rank, self._world = 0, 1
 
+    @classmethod
+    def install(cls, trainer, *, resume_from_checkpoint: str | os.PathLike | None = None) -> "MidxCallback":
+        """Put a MidxCallback on ``trainer`` right after its flow callback, ahead of the reporting
+        integrations, and return it; the one the trainer already has is moved rather than doubled.
+
+        Uses only ``trainer.callback_handler``'s public ``callbacks``, ``pop_callback`` and
+        ``add_callback``. Call it before ``trainer.train()``.
+
+        Args:
+            trainer: a ``transformers.Trainer`` (or subclass: TRL's SFTTrainer, MidxTrainer).
+            resume_from_checkpoint: as the constructor's argument.
+        """
+        handler = trainer.callback_handler
+        callback = next((cb for cb in handler.callbacks if isinstance(cb, cls)), None) or cls()
+        if resume_from_checkpoint is not None:
+            callback.resume_from_checkpoint = os.fspath(resume_from_checkpoint)
+        flow = next((i for i, cb in enumerate(handler.callbacks) if isinstance(cb, DefaultFlowCallback)), -1)
+        later = [cb for cb in handler.callbacks[flow + 1 :] if cb is not callback]
+        for cb in [callback, *later]:
+            handler.pop_callback(cb)
+        for cb in [callback, *later]:
+            handler.add_callback(cb)
+        callback.installed = True
+        return callback
+
     # ------------------------------------------------------------------ events
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self._move_ahead_of_reporters()
         head = find_head(model)
         if head is None:
             raise ValueError(
-                "MidxCallback needs a model whose LM head is a MidxLMHead: call MidxLMHead.wrap(model, ...) before "
+                "MidxCallback needs a model whose LM head is a MidxLMHead: call hf_midx.wrap(model, ...) before "
                 "creating the Trainer (for model_init, wrap the model inside it)."
             )
         if args.label_smoothing_factor:
@@ -219,8 +256,18 @@ class MidxCallback(TrainerCallback):
                 "run. Set MidxConfig(refresh_every_steps=N) (e.g. 100).",
                 stacklevel=2,
             )
+        report_to = args.report_to or []
+        reporters = [r for r in ([report_to] if isinstance(report_to, str) else report_to) if r != "none"]
+        if reporters and not self.installed:
+            warnings.warn(
+                f"MidxCallback was not placed with MidxCallback.install(trainer), so the reporting integrations "
+                f"{reporters} may run before it and miss the midx/ keys it adds to each log entry (log_history "
+                "has them). Call MidxCallback.install(trainer) instead of passing callbacks=[MidxCallback()].",
+                stacklevel=2,
+            )
         self._pending, self._saved_folder = {}, None
-        head.clear_step_data()
+        head.step_data.clear()
+        head.step_data.scheduled = True  # the host binding's "no MidxCallback" warning stays quiet
         self._marks = {state.global_step: (0, state.epoch)}
         if head.sampler.device != _local_device(head.weight):
             _refresh_head(head)  # the model moved (e.g. to the GPU): rebuild the sampler where the weight lives
@@ -256,6 +303,10 @@ class MidxCallback(TrainerCallback):
             )
             self.last_refresh_step = saved.last_refresh_step
         self.resume_from_checkpoint = None
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.head is not None:
+            self.head.step_data.scheduled = False
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # A new epoch after a finished one: the Trainer sets epoch = e + 1.0 exactly at the end of epoch e
@@ -345,18 +396,6 @@ class MidxCallback(TrainerCallback):
         self._pending["midx/refresh_seconds"] = seconds
         return seconds
 
-    def measure_kl(self) -> float | None:
-        """KL(Q || softmax) of the sampler on the latest training hidden states, averaged over ranks.
-
-        None before the first training step. Collective when distributed.
-        """
-        queries = self.head.last_queries if self.head is not None else None
-        if queries is None:
-            return None
-        with full_head_weight(self.head) as (weight, bias):
-            kl = kl_to_softmax(self.head.sampler, queries.to(weight.device), weight, bias)
-        return float(_mean_over_ranks(kl))
-
     def save(self, folder: str, args) -> None:
         """Write the MIDX state of this rank into ``folder`` (every rank calls it)."""
         save_state(
@@ -375,7 +414,7 @@ class MidxCallback(TrainerCallback):
         """Raise :class:`MidxNonFiniteError` if a training call since the last check produced NaN/Inf,
         naming the optimizer step and the tensor; or if the head weight holds NaN/Inf now. One sync."""
         head = self.head
-        bad = head.first_nonfinite_call()
+        bad = head.step_data.first_nonfinite_call()
         weight_bad = not _weight_finite(head.weight)
         step, epoch = _NO_STEP, None
         if bad is not None:
@@ -396,7 +435,7 @@ class MidxCallback(TrainerCallback):
         self._marks = {state.global_step: self._marks.get(state.global_step, (_counter_copy(head), state.epoch))}
         if bad is None and not weight_bad:
             return
-        head.clear_step_data()
+        head.step_data.clear()
         advice = (
             "Training was stopped instead of continuing on NaN; lower the learning rate, clip gradients "
             "(max_grad_norm) or check the inputs, then resume from the last good checkpoint."
@@ -415,7 +454,7 @@ class MidxCallback(TrainerCallback):
     # ------------------------------------------------------------------ internals
     def _codebook_step(self, state) -> None:
         """One Adam step of the learned codebooks on the head weight and the step's hidden states."""
-        queries = self.head.last_queries
+        queries = self.head.step_data.queries
         if queries is None:
             return
         learner, optimizer = self.codebook_learner, self.codebook_optimizer
@@ -439,7 +478,7 @@ class MidxCallback(TrainerCallback):
     def _measure(self, *, log_kl: bool) -> None:
         """The KL and the exact loss of the last micro-batch, for the next log entry (one weight gather)."""
         head = self.head
-        queries = head.last_queries
+        queries = head.step_data.queries
         if queries is None:
             return
         with full_head_weight(head) as (weight, bias):
@@ -450,14 +489,14 @@ class MidxCallback(TrainerCallback):
                     head.sampler, queries.to(weight.device), weight, bias, num_samples=head.config.num_samples
                 )
                 for key, value in diag.items():
-                    if key == "head_mass" and head.sampler.excluded is None:
+                    if key == "head_mass" and head.exact_ids is None:
                         continue
                     self._pending["midx/kl" if key == "kl_qp" else f"midx/{key}"] = _mean_over_ranks(value)
             exact = head.last_batch_exact_loss(weight, bias)
             self._pending["midx/train_loss_exact"] = _mean_over_ranks(exact)
 
     def _resume_folder(self, args, state) -> str:
-        candidates = [self.resume_from_checkpoint, _train_argument(), getattr(args, "resume_from_checkpoint", None)]
+        candidates = [self.resume_from_checkpoint, getattr(args, "resume_from_checkpoint", None)]
         candidates.append(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
         for folder in candidates:
             if not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):
@@ -471,52 +510,10 @@ class MidxCallback(TrainerCallback):
             return folder
         raise ValueError(
             f"Training resumes at step {state.global_step}, but MidxCallback found no checkpoint folder of that "
-            f"step with {MIDX_STATE_NAME} (looked at {[c for c in candidates if c]}); set "
-            "callback.resume_from_checkpoint to the folder passed to train(resume_from_checkpoint=...)."
+            f"step with {MIDX_STATE_NAME} (looked at {[c for c in candidates if c]}); pass the folder given to "
+            "train(resume_from_checkpoint=...) to MidxCallback(resume_from_checkpoint=...) or "
+            "MidxCallback.install(trainer, resume_from_checkpoint=...)."
         )
-
-    def _move_ahead_of_reporters(self) -> None:
-        """Put this callback right after DefaultFlowCallback in the Trainer's list, so that the reporting
-        callbacks, which run in list order, already see the midx/ keys that on_log adds.
-
-        A callback gets no handle on the Trainer; the CallbackHandler running this event is the caller.
-        Moving to an earlier index while the handler iterates does not skip or repeat anyone.
-        """
-        frame = sys._getframe(1)
-        for _ in range(4):
-            handler = frame.f_locals.get("self") if frame is not None else None
-            if isinstance(handler, CallbackHandler):
-                break
-            frame = frame.f_back if frame is not None else None
-        else:
-            return
-        callbacks = handler.callbacks
-        if self not in callbacks:
-            return
-        flow = next((i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)), -1)
-        if callbacks.index(self) > flow + 1:
-            callbacks.remove(self)
-            callbacks.insert(flow + 1, self)
-
-
-def _train_argument() -> str | None:
-    """The ``resume_from_checkpoint`` folder of the ``Trainer.train`` call that is running, if any.
-
-    A callback gets no handle on the Trainer; the running training loop is up the call stack, and its
-    argument has the public name of ``train``'s parameter.
-    """
-    from transformers import Trainer
-
-    frame = sys._getframe(1)
-    for _ in range(12):
-        if frame is None:
-            return None
-        if isinstance(frame.f_locals.get("self"), Trainer):
-            value = frame.f_locals.get("resume_from_checkpoint")
-            if isinstance(value, (str, os.PathLike)):
-                return os.fspath(value)
-        frame = frame.f_back
-    return None
 
 
 def _local_device(weight: torch.Tensor) -> torch.device:

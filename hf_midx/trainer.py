@@ -6,23 +6,26 @@ checks) is :class:`~hf_midx.MidxCallback`, which works with any Trainer; checkpo
 
 * evaluation with the exact full-softmax loss, without materializing the logits when only the loss
   is needed, plus ``eval_perplexity``;
-* the causal-LM token count of the gradient-accumulation normalization: the MIDX head always shifts
-  the labels, so ``num_items_in_batch`` is counted over ``labels[..., 1:]`` (GPT-2 declares no
-  ``loss_type`` in transformers 5.x, and a plain Trainer then scales its losses by S / (S + 1));
-* a check of the checkpoint's MIDX state before ``train(resume_from_checkpoint=...)`` loads anything;
+* a check of the checkpoint's MIDX state before ``train(resume_from_checkpoint=...)`` loads anything,
+  and that folder handed to the callback;
 * ``train_tokens_per_second`` in the final metrics, counted on the device (no sync per micro-batch);
-* the MIDX sampler state written *before* the Trainer's checkpoint files (so a checkpoint pushed to
-  the Hub holds it), and a MIDX model card plus ``midx_config.json`` from ``save_model`` / ``push_to_hub``.
+* the MIDX sampler state written by ``save_model`` into a checkpoint folder, before the Trainer's
+  optimizer and state files (so a checkpoint pushed to the Hub holds it), and a MIDX model card plus
+  ``midx_config.json`` from ``save_model`` / ``push_to_hub``.
+
+Only public Trainer methods are overridden. The token count of the gradient-accumulation
+normalization over ``labels[..., 1:]`` comes from the wrapped model's ``loss_type``
+(:class:`hf_midx.wrap.HostBinding`), so a plain Trainer counts the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
 import torch
 from transformers import Trainer
-from transformers.trainer_callback import DefaultFlowCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from . import model_card as _model_card
@@ -62,10 +65,10 @@ class PerplexityMixin:
 
 
 class MidxTrainer(PerplexityMixin, Trainer):
-    """``transformers.Trainer`` for models whose LM head was wrapped by :meth:`MidxLMHead.wrap`.
+    """``transformers.Trainer`` for models whose LM head was wrapped by :func:`hf_midx.wrap`.
 
-    Takes every argument ``Trainer`` takes and installs a :class:`~hf_midx.MidxCallback` (unless one
-    is passed in ``callbacks``). The MIDX options come from the head's :class:`~hf_midx.MidxConfig`.
+    Takes every argument ``Trainer`` takes and installs a :class:`~hf_midx.MidxCallback` (the one in
+    ``callbacks``, if any). The MIDX options come from the head's :class:`~hf_midx.MidxConfig`.
 
     Raises:
         ValueError: the model has no MIDX head, or an option needs the full logits during training
@@ -75,32 +78,16 @@ class MidxTrainer(PerplexityMixin, Trainer):
     def __init__(self, *args, **kwargs) -> None:
         self._midx_tokens: torch.Tensor | None = None  # tokens this process trained on in this train() call
         super().__init__(*args, **kwargs)
-        if self.args.label_smoothing_factor:
-            raise ValueError(
-                "MidxTrainer cannot use label_smoothing_factor: it needs the full logits, which the MIDX head does "
-                "not compute during training. Set label_smoothing_factor=0."
-            )
-        if self.compute_loss_func is not None:
-            raise ValueError(
-                "MidxTrainer cannot use compute_loss_func: the MIDX head computes the sampled-softmax loss itself "
-                "and returns no full logits during training."
-            )
+        for option, value in (("label_smoothing_factor", self.args.label_smoothing_factor),
+                              ("compute_loss_func", self.compute_loss_func)):
+            if value:
+                raise ValueError(
+                    f"MidxTrainer cannot use {option}: it needs the full logits, which the MIDX head does not "
+                    "compute during training (it computes the sampled-softmax loss itself)."
+                )
         self._midx_find_head()
-        # The MIDX head always applies ForCausalLMLoss semantics (labels shifted by one), whatever the
-        # model's loss_type says: the Trainer must count num_items_in_batch over labels[..., 1:].
-        self._loss_shifts_labels = True
-        callbacks = self.callback_handler.callbacks
-        callback = next((cb for cb in callbacks if isinstance(cb, MidxCallback)), None)
-        if callback is None:
-            callback = MidxCallback()
-        else:
-            callbacks.remove(callback)
-        # Right after the flow callback: the reporting integrations then see the midx/ log keys.
-        flow = next((i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)), -1)
-        callbacks.insert(flow + 1, callback)
-        self.midx_callback: MidxCallback = callback
+        self.midx_callback: MidxCallback = MidxCallback.install(self)
 
-    # ------------------------------------------------------------------ public
     @property
     def midx_head(self) -> MidxLMHead:
         """The wrapped LM head being trained."""
@@ -116,39 +103,17 @@ class MidxTrainer(PerplexityMixin, Trainer):
         """The learned codebooks (``codebooks="learned"``, during and after training), else None."""
         return self.midx_callback.codebook_learner
 
-    @property
-    def codebook_optimizer(self) -> torch.optim.Optimizer | None:
-        return self.midx_callback.codebook_optimizer
-
     def refresh_index(self) -> float:
-        """Rebuild the index from the current head weight now; returns the seconds it took.
+        """Rebuild the index from the current head weight now (collective); returns the seconds it took.
 
-        Computed on rank 0 and broadcast; every process must call it (collective when distributed).
         Use it after ``load_best_model_at_end`` before training on from the restored weights.
         """
-        callback = self.midx_callback
-        if callback.head is None:
-            callback.head = self.midx_head
-        return callback.refresh(self.state)
+        self.midx_callback.head = self.midx_callback.head or self.midx_head
+        return self.midx_callback.refresh(self.state)
 
-    def measure_kl(self) -> float | None:
-        """KL(Q || softmax) of the sampler on the latest training hidden states, averaged over processes.
-
-        None before the first training step. Collective when distributed.
-        """
-        callback = self.midx_callback
-        if callback.head is None:
-            callback.head = self.midx_head
-        return callback.measure_kl()
-
-    # ------------------------------------------------------------------ Trainer overrides
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
-        """``Trainer.train``; a MIDX checkpoint is checked against the model before anything is loaded.
-
-        Raises:
-            ValueError: the checkpoint's MIDX state was made with another vocabulary, hidden size,
-                sampler, codebook size or codebook mode, or it has no MIDX state.
-        """
+        """``Trainer.train``; a MIDX checkpoint is checked against the model before anything is loaded
+        (``ValueError``: no MIDX state, or another V, D, sampler or codebooks), then handed to the callback."""
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.args.output_dir)  # None: Trainer raises its own error
@@ -158,11 +123,8 @@ class MidxTrainer(PerplexityMixin, Trainer):
             read_state(checkpoint, self.midx_head, rank=self.args.process_index, world_size=self.args.world_size)
             self.midx_callback.resume_from_checkpoint = checkpoint
         self._midx_tokens = None
-        return super().train(
-            resume_from_checkpoint=resume_from_checkpoint,
-            trial=trial,
-            ignore_keys_for_eval=ignore_keys_for_eval,
-        )
+        kwargs = dict(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """``Trainer.training_step``, counting the tokens for ``train_tokens_per_second`` on the device."""
@@ -177,10 +139,8 @@ class MidxTrainer(PerplexityMixin, Trainer):
         """With ``prediction_loss_only`` the exact loss is computed without materializing the logits."""
         head = find_head(model) or find_head(self.model)
         has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
-        if prediction_loss_only and has_labels and head is not None:
-            with head.exact_loss_only():
-                return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        with head.exact_loss_only() if prediction_loss_only and has_labels and head else contextlib.nullcontext():
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """``Trainer.log`` plus ``train_tokens_per_second`` in the final metrics."""
@@ -190,55 +150,25 @@ class MidxTrainer(PerplexityMixin, Trainer):
             logs["train_tokens_per_second"] = round(tokens / max(logs["train_runtime"], 1e-9), 3)
         super().log(logs, start_time)
 
-    def _save_checkpoint(self, model, trial) -> None:
-        run_dir = self._get_output_dir(trial=trial)
-        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        # Written before the Trainer's files, so a checkpoint pushed to the Hub already holds them.
-        if self.midx_callback.head is not None:
-            self.midx_callback.save(folder, self.args)
-        super()._save_checkpoint(model, trial)
-
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """``Trainer.save_model`` (a plain transformers model) plus ``midx_config.json`` and, when called by
-        the user, a MIDX model card ``README.md``."""
-        super().save_model(output_dir, _internal_call=_internal_call)
+        """``Trainer.save_model`` (a plain transformers model) plus ``midx_config.json``; into this step's
+        checkpoint folder also the MIDX state (every process); when called by the user, a MIDX card."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.midx_callback.head is not None and os.path.basename(os.path.normpath(output_dir)) == checkpoint:
+            # A checkpoint's model comes first, then the Trainer's files, then the push: the state is in it.
+            self.midx_callback.save(output_dir, self.args)
+        super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:
             self.midx_config.save_pretrained(output_dir)
             if not _internal_call:
-                self._write_model_card(output_dir)
+                write_model_card(self, output_dir)
 
-    def create_model_card(
-        self,
-        language: str | None = None,
-        license: str | None = None,
-        tags: str | list[str] | None = None,
-        model_name: str | None = None,
-        finetuned_from: str | None = None,
-        tasks: str | list[str] | None = None,
-        dataset_tags: str | list[str] | None = None,
-        dataset: str | list[str] | None = None,
-        dataset_args: str | list[str] | None = None,
-    ) -> None:
-        """Write the MIDX model card to ``args.output_dir/README.md`` (``push_to_hub`` calls this).
-
-        Same arguments as ``Trainer.create_model_card``; the card holds transformers' metadata and
-        hyperparameters plus the MIDX training facts (see :func:`hf_midx.model_card.render_model_card`).
-        """
-        if not self.is_world_process_zero():
-            return
-        self._write_model_card(
-            self.args.output_dir,
-            language=language,
-            license=license,
-            tags=tags,
-            model_name=model_name,
-            finetuned_from=finetuned_from,
-            tasks=tasks,
-            dataset_tags=dataset_tags,
-            dataset=dataset,
-            dataset_args=dataset_args,
-        )
+    def create_model_card(self, **card_args) -> None:
+        """Write the MIDX model card to ``args.output_dir/README.md`` (``push_to_hub`` calls this); the
+        keyword arguments of ``Trainer.create_model_card`` (see :func:`write_model_card`)."""
+        if self.is_world_process_zero():
+            write_model_card(self, self.args.output_dir, **card_args)
 
     def _midx_find_head(self) -> MidxLMHead:
         head = find_head(self.model)
@@ -246,38 +176,54 @@ class MidxTrainer(PerplexityMixin, Trainer):
             head = find_head(self.accelerator.unwrap_model(self.model))
         if head is None:
             raise ValueError(
-                "MidxTrainer needs a model whose LM head is a MidxLMHead: call MidxLMHead.wrap(model, ...) first "
+                "MidxTrainer needs a model whose LM head is a MidxLMHead: call hf_midx.wrap(model, ...) first "
                 "(for model_init, wrap the model inside it)."
             )
         return head
 
-    # ------------------------------------------------------------------ model card
-    def _write_model_card(self, output_dir: str, **card_args) -> str:
-        from transformers.modelcard import TrainingSummary, make_markdown_table
 
-        tags = card_args.pop("tags", None)
-        tags = [tags] if isinstance(tags, str) else list(tags or [])
-        summary = TrainingSummary.from_trainer(self, tags=tags, **card_args)
-        metadata = summary.create_metadata()
-        model = self.accelerator.unwrap_model(self.model)
-        peft_config = getattr(model, "peft_config", None)  # a PEFT model saves an adapter, not a full model
-        base_model = None
-        if isinstance(peft_config, dict) and peft_config:
-            base_model = getattr(next(iter(peft_config.values())), "base_model_name_or_path", None)
-            if base_model and os.path.isdir(base_model):
-                base_model = None
-        card = _model_card.render_model_card(
-            self.midx_config,
-            metadata=metadata,
-            library_name="peft" if peft_config else "transformers",
-            base_model=base_model,
-            model_name=summary.model_name,
-            hyperparameters=summary.hyperparameters,
-            eval_table=make_markdown_table(summary.eval_lines),
-            log_history=self.state.log_history,
-            num_classes=self.midx_head.num_classes,
-        )
-        return _model_card.save_model_card(card, output_dir)
+def write_model_card(trainer: MidxTrainer, output_dir: str, **card_args) -> str:
+    """Write a MidxTrainer's model card into ``output_dir/README.md``; returns its path.
+
+    Args:
+        trainer: the trainer whose run the card describes.
+        output_dir: the folder to write to.
+        **card_args: the keyword arguments of ``Trainer.create_model_card`` (``language``, ``license``,
+            ``tags``, ``model_name``, ``finetuned_from``, ``tasks``, ``dataset_tags``, ``dataset``,
+            ``dataset_args``); the card holds transformers' metadata and hyperparameters plus the MIDX
+            training facts (see :func:`hf_midx.model_card.render_model_card`).
+    """
+    from transformers.modelcard import TrainingSummary, make_markdown_table
+
+    tags = card_args.pop("tags", None)
+    tags = [tags] if isinstance(tags, str) else list(tags or [])
+    summary = TrainingSummary.from_trainer(trainer, tags=tags, **card_args)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    peft_config = getattr(model, "peft_config", None)  # a PEFT model saves an adapter, not a full model
+    base_model = None
+    if isinstance(peft_config, dict) and peft_config:
+        base_model = getattr(next(iter(peft_config.values())), "base_model_name_or_path", None)
+        if base_model and os.path.isdir(base_model):
+            base_model = None
+    card = _model_card.render_model_card(
+        trainer.midx_config,
+        metadata=summary.create_metadata(),
+        library_name="peft" if peft_config else "transformers",
+        base_model=base_model,
+        model_name=summary.model_name,
+        hyperparameters=summary.hyperparameters,
+        eval_table=make_markdown_table(summary.eval_lines),
+        log_history=trainer.state.log_history,
+        num_classes=trainer.midx_head.num_classes,
+    )
+    return _model_card.save_model_card(card, output_dir)
 
 
-__all__ = ["MIDX_RNG_STATE_NAME", "MIDX_STATE_NAME", "MidxNonFiniteError", "MidxTrainer", "PerplexityMixin"]
+__all__ = [
+    "MIDX_RNG_STATE_NAME",
+    "MIDX_STATE_NAME",
+    "MidxNonFiniteError",
+    "MidxTrainer",
+    "PerplexityMixin",
+    "write_model_card",
+]

@@ -1,5 +1,6 @@
 """MidxCallback with a plain transformers.Trainer: refresh, midx/ logging (ahead of the reporters), the
-exact training loss, checkpointed sampler state and an identical resumed run; refresh_index alone."""
+exact training loss, checkpointed sampler state and an identical resumed run (from a checkpoint outside
+output_dir); install(); the warning of a Trainer without the callback; refresh_index alone."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback
 
+import hf_midx
 from _models import clone_model, tiny_model
 from hf_midx import MidxCallback, MidxConfig, MidxLMHead, refresh_index
 from hf_midx.state import MIDX_RNG_STATE_NAME, MIDX_STATE_NAME
@@ -27,15 +29,15 @@ class LogRecorder(TrainerCallback):
         self.entries.append(dict(logs))
 
 
-def _plain_trainer(output_dir, max_steps=8, **callback_kwargs):
+def _plain_trainer(output_dir, max_steps=8, resume_from_checkpoint=None):
     torch.manual_seed(0)
     model = tiny_model("gpt2", vocab_size=VOCAB, seed=0)
-    MidxLMHead.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=5, refresh_every_steps=4))
+    hf_midx.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=5, refresh_every_steps=4))
     recorder = LogRecorder()
     args = training_args(output_dir, max_steps=max_steps, logging_steps=2, save_strategy="steps", save_steps=4)
-    trainer = Trainer(
-        model=model, args=args, train_dataset=RowsDataset(markov_rows(48)), callbacks=[recorder, MidxCallback()]
-    )
+    callbacks = [recorder, MidxCallback(resume_from_checkpoint=resume_from_checkpoint)]
+    trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(48)), callbacks=callbacks)
+    assert MidxCallback.install(trainer) is callbacks[1]  # moved ahead of the recorder, not doubled
     return trainer, recorder
 
 
@@ -76,12 +78,13 @@ def test_plain_trainer_refreshes_logs_checkpoints_and_resumes_identically(tmp_pa
     assert {MIDX_STATE_NAME, MIDX_RNG_STATE_NAME, "midx_config.json", "model.safetensors"} <= names
     assert not [n for n in names if n.endswith(".tmp")]
 
-    resumed, _ = _plain_trainer(tmp_path / "resumed")
+    # A checkpoint outside the resumed run's output_dir: the callback is told where it is.
+    resumed, _ = _plain_trainer(tmp_path / "resumed", resume_from_checkpoint=checkpoint)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     for key in ("loss", "midx/kl", "midx/train_loss_exact", "grad_norm"):
         a, b = _per_step(full, key, after=4), _per_step(resumed, key, after=4)
         assert a.keys() == b.keys() and a, key
-        assert all(abs(a[s] - b[s]) <= 1e-6 for s in a), f"{key}: uninterrupted {a} != resumed {b}"
+        assert a == b, f"{key}: uninterrupted {a} != resumed {b}"
     assert _per_step(resumed, "midx/refresh_seconds", after=4).keys() == {8}
     worst = max(float((p - q).abs().max()) for p, q in zip(full.model.parameters(), resumed.model.parameters()))
     assert worst <= 1e-6, worst
@@ -95,7 +98,7 @@ def test_resume_needs_the_midx_state(tmp_path):
     trainer, _ = _plain_trainer(tmp_path / "a", max_steps=4)
     trainer.train()
     os.remove(tmp_path / "a" / "checkpoint-4" / MIDX_STATE_NAME)
-    again, _ = _plain_trainer(tmp_path / "b", max_steps=6)
+    again, _ = _plain_trainer(tmp_path / "b", max_steps=6, resume_from_checkpoint=tmp_path / "a" / "checkpoint-4")
     with pytest.raises(ValueError, match="has no midx_state.safetensors"):
         again.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
 
@@ -160,7 +163,7 @@ def test_refresh_index_rebuilds_from_the_current_weight():
         head.weight.mul_(3.0)
     seconds = refresh_index(model)
     assert seconds > 0 and not torch.allclose(before, head.sampler.state_dict()["index.codebook1"])
-    with pytest.raises(ValueError, match="MidxLMHead.wrap"):
+    with pytest.raises(ValueError, match="hf_midx.wrap"):
         refresh_index(tiny_model("llama"))
 
 
@@ -188,3 +191,107 @@ def test_no_host_sync_between_checks(tmp_path):
         counts.append(sum(counter.counts.values()))
     assert counts[0] == 0, counts
     assert counts[1] > 0 and {"midx/kl", "midx/train_loss_exact"} <= set(callback._pending)
+
+
+# ---------------------------------------------------------------------------------------- public ways in
+def test_install_places_the_callback_ahead_of_the_reporters(tmp_path):
+    from transformers.trainer_callback import DefaultFlowCallback
+
+    model = hf_midx.wrap(tiny_model("gpt2", vocab_size=VOCAB), num_samples=32, codebook_size=8, kmeans_iters=2)
+    recorder = LogRecorder()
+    trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=2), callbacks=[recorder])
+    callback = MidxCallback.install(trainer, resume_from_checkpoint=tmp_path / "elsewhere")
+    callbacks = trainer.callback_handler.callbacks
+    flow = next(i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback))
+    assert callbacks.index(callback) == flow + 1 < callbacks.index(recorder)
+    assert callback.installed and callback.resume_from_checkpoint == str(tmp_path / "elsewhere")
+    # Installing again keeps the one callback in its place.
+    assert MidxCallback.install(trainer) is callback
+    assert sum(isinstance(cb, MidxCallback) for cb in callbacks) == 1 and callbacks.index(callback) == flow + 1
+    with pytest.raises(ValueError, match="checkpoint folder path"):
+        MidxCallback(resume_from_checkpoint=True)
+
+
+def test_a_resume_outside_output_dir_without_the_folder_is_explained(tmp_path):
+    first, _ = _plain_trainer(tmp_path / "a", max_steps=4)
+    first.train()
+    again = Trainer(
+        model=hf_midx.wrap(tiny_model("gpt2", vocab_size=VOCAB, seed=0), num_samples=32, codebook_size=8),
+        args=training_args(tmp_path / "b", max_steps=6),
+        train_dataset=RowsDataset(markov_rows(48)),
+    )
+    MidxCallback.install(again)
+    with pytest.raises(ValueError, match=r"MidxCallback\(resume_from_checkpoint=\.\.\.\)"):
+        again.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
+
+
+@pytest.mark.parametrize("with_callback", [False, True])
+def test_a_trainer_without_the_callback_warns_once(tmp_path, with_callback, recwarn):
+    model = hf_midx.wrap(
+        tiny_model("gpt2", vocab_size=VOCAB), num_samples=32, codebook_size=8, kmeans_iters=2, refresh_every_steps=2
+    )
+    args = training_args(tmp_path, max_steps=4)
+    trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(32)))
+    if with_callback:
+        MidxCallback.install(trainer)
+    trainer.train()
+    messages = [str(w.message) for w in recwarn if "without MidxCallback" in str(w.message)]
+    if with_callback:
+        assert messages == []
+        return
+    assert len(messages) == 1, messages  # once, at the first training forward, not at each of the 4 steps
+    for part in ("never refreshed", "midx/ diagnostics", "no sampler state", "MidxCallback.install(trainer)"):
+        assert part in messages[0], part
+
+
+def test_no_frame_walks_in_the_library():
+    """The callback takes what it needs as arguments; nothing in hf_midx/ reads its callers' frames."""
+    import pathlib
+    import re
+
+    package = pathlib.Path(hf_midx.__file__).parent
+    pattern = re.compile(r"sys\._getframe|inspect\.currentframe|inspect\.stack|\bf_back\b|\bf_locals\b")
+    hits = [f"{p.name}:{i}" for p in package.rglob("*.py") for i, line in enumerate(p.read_text().splitlines(), 1)
+            if pattern.search(line)]
+    assert hits == []
+
+
+def test_the_wrapped_model_declares_a_causal_lm_loss(tmp_path):
+    """GPT-2 declares no loss_type; wrapped, it declares ForCausalLM (the head always shifts the labels),
+    so a plain Trainer counts num_items_in_batch over labels[..., 1:]; unwrap gives the old value back."""
+    model = tiny_model("gpt2", vocab_size=VOCAB)
+    before = model.loss_type
+    hf_midx.wrap(model, num_samples=32, codebook_size=8, kmeans_iters=2)
+    assert model.loss_type == "ForCausalLM"
+    trainer = Trainer(model=model, args=training_args(tmp_path), train_dataset=RowsDataset(markov_rows(8)))
+    MidxCallback.install(trainer)
+    batch = {"input_ids": markov_rows(2), "labels": markov_rows(2).clone()}
+    batch["labels"][0, :5] = -100
+    if not hasattr(trainer, "get_batch_samples"):  # transformers < 4.48 counts the unshifted labels
+        pytest.skip("this transformers has no Trainer.get_batch_samples")
+    _, count = trainer.get_batch_samples(iter([batch]), 1, torch.device("cpu"))
+    if count is not None and "_loss_shifts_labels" in vars(trainer):  # transformers that shift the count
+        assert int(count) == int(batch["labels"][..., 1:].ne(-100).sum())
+    hf_midx.unwrap(model)
+    assert model.loss_type == before
+
+
+def test_a_plain_resume_finds_the_checkpoint_in_output_dir(tmp_path):
+    """The fallback: resume_from_checkpoint=True loads <output_dir>/checkpoint-<step>, and so does the callback."""
+    first, _ = _plain_trainer(tmp_path / "run", max_steps=4)
+    first.train()
+    again, _ = _plain_trainer(tmp_path / "run", max_steps=6)
+    head = MidxLMHead.find(again.model)
+    again.train(resume_from_checkpoint=True)
+    assert again.state.global_step == 6 and head.step_data.calls == 2
+
+
+def test_a_callback_not_installed_says_the_reporters_may_miss_its_keys(tmp_path):
+    model = hf_midx.wrap(tiny_model("gpt2", vocab_size=VOCAB), num_samples=32, codebook_size=8, kmeans_iters=2)
+    trainer = Trainer(
+        model=model, args=training_args(tmp_path, max_steps=1), train_dataset=RowsDataset(markov_rows(8)),
+        callbacks=[MidxCallback()],
+    )
+    trainer.args.report_to = ["wandb"]  # as if the integration were installed (the reporters are already built)
+    with pytest.warns(UserWarning, match=r"\['wandb'\] may run before it.*MidxCallback.install\(trainer\)"):
+        trainer.train()

@@ -79,7 +79,7 @@ def test_wrap_keeps_keys_ties_and_exact_eval(arch):
     assert torch.isfinite(out.loss) and out.loss.dtype == torch.float32
     out.loss.backward()
     assert head.weight.grad is not None and torch.isfinite(head.weight.grad).all()
-    assert head.mode == "full"  # switched back after the call
+    assert not head.capturing  # switched back after the call
     model.zero_grad()
 
     # Eval mode: the original head; same logits and loss as the unwrapped model.
@@ -499,13 +499,16 @@ def test_a_deep_copy_is_an_independent_wrapped_model():
     model, _ = _wrapped("gpt2")
     twin = copy.deepcopy(model)
     head, twin_head = MidxLMHead.find(model), MidxLMHead.find(twin)
-    assert twin_head is not head and twin_head._host is twin
+    assert twin_head is not head and twin_head.binding.host is twin
     assert twin_head.weight is twin.transformer.wte.weight
     twin.train()
     ids = _ids()
     assert twin(input_ids=ids, labels=ids).logits.shape[-1] == 0
     MidxLMHead.unwrap(twin)
     assert MidxLMHead.find(model) is head
+    # The twin's hook handles were its own: unwrapping it left the original's hooks in place.
+    model.train()
+    assert model(input_ids=ids, labels=ids).logits.shape[-1] == 0
 
 
 # ====================================================================== bad input
@@ -575,7 +578,7 @@ def test_labels_out_of_range_are_named():
         model.train()
         with pytest.raises(RuntimeError, match=rf"labels outside \[0, {VOCAB}\)"):
             model(input_ids=ids, labels=labels)
-        assert head.mode == "full"  # reset after the failed call
+        assert not head.capturing  # reset after the failed call
         model.eval()
         with torch.no_grad(), head.exact_loss_only(), pytest.raises(ValueError, match=str(bad)):
             model(input_ids=ids, labels=labels)
@@ -601,3 +604,36 @@ def test_wrap_refuses_models_that_post_process_logits():
     with pytest.raises(ValueError, match="transforms the LM head's output"):
         MidxLMHead.wrap(model, **SMALL)
     assert type(model.lm_head) is nn.Linear and not model._forward_pre_hooks
+
+
+# ====================================================================== layer and surgery apart
+def test_wrap_and_unwrap_are_free_functions_and_the_aliases_still_work():
+    import hf_midx
+    import hf_midx.wrap  # noqa: F401  (the module of the same name does not shadow the function)
+
+    assert callable(hf_midx.wrap) and hf_midx.wrap.__module__ == "hf_midx.wrap"
+    model = tiny_model("llama")
+    assert hf_midx.wrap(model, **SMALL) is model
+    head = MidxLMHead.find(model)
+    assert head.binding is not None and len(head.binding.handles) == 2
+    assert hf_midx.unwrap(model) is model and head.binding is None and MidxLMHead.find(model) is None
+    assert MidxLMHead.wrap(model, **SMALL) is model and MidxLMHead.unwrap(model) is model
+
+
+def test_the_layer_imports_nothing_of_the_surgery():
+    """head.py imports nothing from wrap.py (which imports it), and no file reads another's private names."""
+    import ast
+    import pathlib
+    import re
+
+    import hf_midx
+
+    package = pathlib.Path(hf_midx.__file__).parent
+    tree = ast.parse((package / "head.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m and m.split(".")[-1] == "wrap"}, imported
+    for name in ("wrap.py", "callback.py", "trainer.py", "state.py"):
+        text = (package / name).read_text()
+        assert not re.findall(r"\bhead\._[a-z]", text), name
+    assert "_forward_hooks" not in (package / "wrap.py").read_text()

@@ -367,7 +367,7 @@ def test_push_to_hub_uploads_model_and_card(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------- errors
 def test_requires_a_wrapped_model(tmp_path):
-    with pytest.raises(ValueError, match=r"MidxLMHead\.wrap\(model, \.\.\.\) first"):
+    with pytest.raises(ValueError, match=r"hf_midx\.wrap\(model, \.\.\.\) first"):
         MidxTrainer(model=tiny_model("gpt2", vocab_size=VOCAB), args=training_args(tmp_path))
 
 

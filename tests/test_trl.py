@@ -20,7 +20,7 @@ from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 from _models import clone_model, tiny_model  # noqa: E402
 from hf_midx import MidxCallback, MidxConfig, MidxLMHead  # noqa: E402
-from hf_midx.head import MidxFusedOutput  # noqa: E402
+from hf_midx.wrap import MidxFusedOutput  # noqa: E402
 from test_trainer import SEQ, VOCAB, markov_rows  # noqa: E402
 
 
