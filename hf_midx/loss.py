@@ -171,10 +171,14 @@ def sampled_softmax_loss(
         exact_ids: optional (H,) int64 class ids scored exactly for every token (one (T, H) matmul);
             the sampler must never draw them (build it with ``exclude=exact_ids``).
         check_labels: range-check the labels with a ValueError, which reads them on the host (one
-            device sync). With False a device-side assertion checks them instead (the training path).
+            device sync). With False a device-side assertion checks them instead (the training path);
+            under ``torch.compile`` the device-side assertion is used either way, so that a compiled
+            loss has no graph break.
     Returns:
         float32 scalar (or (T,) for "none").
     """
+    if check_labels and torch.compiler.is_compiling():
+        check_labels = False  # a host read would break the graph: the asynchronous check runs instead
     _validate(hidden, weight, labels, bias, ignore_index, reduction, check_labels)
     check_positive_int("num_samples", num_samples)
     if negatives not in NEGATIVE_MODES:

@@ -237,3 +237,23 @@ def test_a_refresh_scans_the_weight_for_nan_once(name):
     assert counter.scans == 1
     with pytest.raises(ValueError, match="NaN or Inf"):
         sampler.refresh(torch.full_like(weight, float("nan")))
+
+
+def test_sampled_loss_with_default_arguments_compiles_fullgraph():
+    """A user's own compiled loss: the public function with its defaults (labels checked) has no graph
+    break, because under compilation the label check runs on the device."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(200, 8, generator=g, requires_grad=True)
+    hidden = torch.randn(10, 8, generator=g, requires_grad=True)
+    labels = torch.randint(200, (10,), generator=g)
+    sampler = build_sampler("midx-rq", weight.detach(), codebook_size=4)
+
+    def loss_fn(h, w, y):
+        return sampled_softmax_loss(h, w, y, sampler, 5)
+
+    loss = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")(hidden, weight, labels)
+    loss.backward()
+    assert torch.isfinite(loss) and float(weight.grad.abs().sum()) > 0
+    with pytest.raises(ValueError, match="outside"):
+        loss_fn(hidden, weight, labels + 200)  # eager calls keep the ValueError
