@@ -215,3 +215,12 @@ def test_compare_samplers_parallel_runs_and_variants(tmp_path):
     ):
         proc = subprocess.run([*script, *args], capture_output=True, text=True, env=offline_env(), cwd=REPO, timeout=120)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_bench_refresh(tmp_path):
+    p = run_bench("bench_refresh", tmp_path, "--vocab", "5000", "--backends", "torch")
+    got = {(r["backend"], r["variant"]) for r in p["results"]}
+    assert got == {("torch", "subsample"), ("torch", "all-rows")}
+    for r in p["results"]:
+        assert r["warm_rebuild_s"] > 0 and r["distortion"] > 0 and r["kl_pq@1.0"] >= 0
+    assert (tmp_path / "bench_refresh.md").read_text().count("| torch |") == 2
