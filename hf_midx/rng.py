@@ -84,15 +84,17 @@ class CounterRNG:
         return words
 
     def rand(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Uniform numbers in [0, 1) of ``shape``: 24 random bits for float32, 53 for float64."""
+        """Uniform numbers in [0, 1) of ``shape``: 24 random bits for float32 (two per 64-bit word), 53 for float64."""
         n = 1
         for s in shape:
             n *= int(s)
-        words = self._words(n)
         if dtype == torch.float64:
-            u = _shr(words, 11).double() * (1.0 / (1 << 53))
+            u = _shr(self._words(n), 11).double() * (1.0 / (1 << 53))
         else:
-            u = (_shr(words, 40).float() * (1.0 / (1 << 24))).to(dtype)
+            # Two 24-bit uniforms per 64-bit word (bits 40-63 and 8-31): half the integer work.
+            words = self._words((n + 1) // 2)
+            bits = torch.stack([_shr(words, 40), (words >> 8) & 0xFFFFFF], dim=1).reshape(-1)[:n]
+            u = (bits.float() * (1.0 / (1 << 24))).to(dtype)
         return u.view(*shape)
 
     def randint(self, high: int, shape: tuple[int, ...]) -> torch.Tensor:
