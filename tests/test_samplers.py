@@ -442,3 +442,19 @@ def test_draw_scored_equals_draw_then_score(name, options, problem):
     torch.testing.assert_close(log_qbar, log_qbar2)
     torch.testing.assert_close(log_qbar_labels, smp.score_shared(q, labels[:, 0], row_weights=weights))
     assert log_qbar_labels[0] == -math.inf
+
+
+@pytest.mark.parametrize("m", [2, 40], ids=["two-stage", "joint"])  # 2M <= K or not (K = 8: 64 buckets)
+def test_chunked_draws_equal_one_chunk(m, problem, monkeypatch):
+    """Work tensors are split over query chunks to bound memory; the draws do not depend on the split."""
+    from hf_midx.samplers import base
+
+    smp = _build("midx-rq", problem[0], mix_weight=0.3)
+    q = torch.randn(50, problem[0].shape[1], generator=torch.Generator().manual_seed(2))
+    start = smp.generator.get_state()
+    whole = smp.draw(q, m)
+    monkeypatch.setattr(base, "_WORK_ELEMENTS", 64 * 7)  # a few rows per chunk
+    smp.generator.set_state(start)
+    split = smp.draw(q, m)
+    assert torch.equal(whole[0], split[0])
+    torch.testing.assert_close(whole[1], split[1])

@@ -34,8 +34,9 @@ import torch
 from .._checks import check_ids, check_matrix, check_positive_int
 from ..rng import CounterRNG, as_counter_rng
 
-# Upper bound on the elements of one (chunk, V) or (chunk, K*K) work tensor.
-_WORK_ELEMENTS = 1 << 22
+# Upper bound on the elements of one (chunk, V) or (chunk, K*K) work tensor (64 MiB in float32):
+# few chunks, since on a GPU each costs a dozen kernel launches.
+_WORK_ELEMENTS = 1 << 24
 
 
 def _chunks(total: int, per_row: int):
