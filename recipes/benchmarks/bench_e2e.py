@@ -174,10 +174,9 @@ def run_setting(key: str, args, device, env, bf16: bool, warmup: int, steps: int
         s.update({"vocab": s["vocab"] if s["vocab"] <= 65536 else 32768, "batch": max(2, s["batch"] // 4)})
     v, block, batch = s["vocab"], s["block"], s["batch"]
     gen = torch.Generator().manual_seed(args.seed)
-    zipf = 1.0 / torch.arange(1, v + 1, dtype=torch.float64)
-    counts = (zipf / zipf.sum() * 1e7).floor() + 1
+    counts = common.zipf_counts(v, tokens=1e7) + 1
     batches = [
-        torch.multinomial(zipf, batch * block, replacement=True, generator=gen).view(batch, block).to(device)
+        torch.multinomial(counts, batch * block, replacement=True, generator=gen).view(batch, block).to(device)
         for _ in range(4)
     ]
     print(f"\n-- {key}: {s['what']}; V={v}, batch {batch} x {block} tokens{', bf16' if bf16 else ''} --")

@@ -118,13 +118,6 @@ def parse_args(argv=None):
     return common.parse(p, argv)
 
 
-def zipf_counts(v: int, generator: torch.Generator, tokens: int = 1_000_000) -> torch.Tensor:
-    """(V,) token counts of a Zipf(1) corpus, with class ids shuffled (frequency is not the id)."""
-    p = 1.0 / torch.arange(1, v + 1, dtype=torch.float64)
-    counts = (p / p.sum() * tokens).floor()
-    return counts[torch.randperm(v, generator=generator)]
-
-
 def estimate_bytes(case: str, t: int, v: int, d: int, elt: int) -> int:
     """Rough peak of a case, used only to skip what will not fit."""
     params = v * d * elt  # the weight's gradient
@@ -257,7 +250,7 @@ def _default_head_cases(args, hidden, weight, labels, counts, device, pool):
 def run_size(args, device, dtype, env, t, d, v, m, pool, k, warmup, repeats, exact_kernels, rows, builds):
     liger_ce, cce = exact_kernels
     gen = torch.Generator().manual_seed(args.seed)
-    counts = zipf_counts(v, gen)
+    counts = common.zipf_counts(v, generator=gen)
     labels = torch.multinomial(counts.float() + 1, t, replacement=True, generator=gen).to(device)
     weight = torch.nn.Parameter((torch.randn(v, d, generator=gen) * d**-0.5).to(device=device, dtype=dtype))
     hidden = torch.randn(t, d, generator=gen).to(device=device, dtype=dtype).requires_grad_()

@@ -121,11 +121,6 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------------------- sources
-def zipf_counts(v: int, tokens: float = 2e6) -> torch.Tensor:
-    p = 1.0 / torch.arange(1, v + 1, dtype=torch.float64)
-    return (p / p.sum() * tokens).floor() + 1
-
-
 def synthetic_source(v: int, d: int, n: int, seed: int) -> dict:
     """Clustered classes with Zipf frequencies; queries near their label's cluster.
 
@@ -136,7 +131,7 @@ def synthetic_source(v: int, d: int, n: int, seed: int) -> dict:
     Ids are frequency ranks.
     """
     g = torch.Generator().manual_seed(seed)
-    counts = zipf_counts(v)
+    counts = common.zipf_counts(v, tokens=2e6) + 1
     clusters = 64
     centers = torch.randn(clusters, d, generator=g) / math.sqrt(d) * 3.0
     u = torch.nn.functional.normalize(torch.randn(d, generator=g), dim=0)

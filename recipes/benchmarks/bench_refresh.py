@@ -45,8 +45,7 @@ def problem(v: int, d: int, seed: int):
     centres = torch.randn(1024, d, generator=g)
     w = (centres[torch.randint(1024, (v,), generator=g)] + 0.6 * torch.randn(v, d, generator=g)) * d**-0.5
     moved = w + 0.05 * torch.randn(v, d, generator=g) * d**-0.5
-    zipf = 1.0 / torch.arange(1, v + 1, dtype=torch.float64)
-    counts = (zipf / zipf.sum() * 1e7).floor()
+    counts = common.zipf_counts(v, tokens=1e7)
     queries = w[torch.randint(v, (128,), generator=g)] * d**0.5 / 4
     return w, moved, counts, queries
 

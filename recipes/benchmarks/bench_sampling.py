@@ -137,8 +137,7 @@ def main(argv=None) -> dict:
     for v in vocab:
         gen = torch.Generator().manual_seed(args.seed)
         emb = (torch.randn(v, d, generator=gen) * d**-0.5).to(device)
-        counts = 1.0 / torch.arange(1, v + 1, dtype=torch.float64)
-        counts = (counts / counts.sum() * 1e7).floor()[torch.randperm(v, generator=gen)]
+        counts = common.zipf_counts(v, tokens=1e7, generator=gen)
         queries = {t: torch.randn(t, d, generator=gen).to(device) for t in args.queries}
         print(f"\n-- V={v} --")
         built = {}

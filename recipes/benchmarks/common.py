@@ -208,6 +208,17 @@ def memory_budget_bytes(device: torch.device, max_gb: float) -> int:
 
 
 # ---------------------------------------------------------------------------- timing and memory
+def zipf_counts(v: int, tokens: float = 1e6, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(V,) float64 token counts of a Zipf(1) corpus of ``tokens`` tokens (rare classes may count 0).
+
+    With ``generator``, class ids are shuffled, so that frequency is not the id; without, class 0 is
+    the most frequent. The one generator of synthetic frequencies for every benchmark.
+    """
+    p = 1.0 / torch.arange(1, v + 1, dtype=torch.float64)
+    counts = (p / p.sum() * tokens).floor()
+    return counts if generator is None else counts[torch.randperm(v, generator=generator)]
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -19,7 +19,7 @@ import torch
 if not __package__:  # run as a file: the repository root holds the `recipes` package
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from recipes.benchmarks import common  # noqa: E402
-from recipes.benchmarks.bench_head import MODEL_SHAPES, zipf_counts  # noqa: E402
+from recipes.benchmarks.bench_head import MODEL_SHAPES  # noqa: E402
 
 import hf_midx  # noqa: E402
 
@@ -44,7 +44,7 @@ def main(argv=None) -> dict:
     t = args.tokens or (256 if args.smoke else 8192 if device.type == "cuda" else 2048)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(args.seed)
-    counts = zipf_counts(v, gen)
+    counts = common.zipf_counts(v, generator=gen)
     labels = torch.multinomial(counts.float() + 1, t, replacement=True, generator=gen).to(device)
     weight = torch.nn.Parameter((torch.randn(v, d, generator=gen) * d**-0.5).to(device=device, dtype=dtype))
     hidden = torch.randn(t, d, generator=gen).to(device=device, dtype=dtype).requires_grad_()
