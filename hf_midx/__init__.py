@@ -8,9 +8,10 @@ of its names is used. ``wrap`` / ``unwrap`` are bound at import: the functions s
 their module ``hf_midx.wrap``, which a lazy lookup would leave in their place.
 """
 
-from importlib import import_module
+import importlib as _importlib
 
 from .codebooks import LearnableCodebooks
+from .data import token_counts
 from .diagnostics import proposal_diagnostics
 from .index import MidxIndex
 from .loss import full_softmax_loss, sampled_softmax_loss
@@ -32,30 +33,34 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        return getattr(_importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'hf_midx' has no attribute {name!r}")
 
 
-__all__ = sorted(
-    [
-        "CounterRNG",
-        "LearnableCodebooks",
-        "MidxCallback",
-        "MidxConfig",
-        "MidxIndex",
-        "MidxLMHead",
-        "MidxNonFiniteError",
-        "MidxTrainer",
-        "SAMPLERS",
-        "Sampler",
-        "__version__",
-        "build_sampler",
-        "full_softmax_loss",
-        "kl_to_softmax",
-        "proposal_diagnostics",
-        "refresh_index",
-        "sampled_softmax_loss",
-        "unwrap",
-        "wrap",
-    ]
-)
+def __dir__() -> list[str]:
+    # The lazy names are not in the module's namespace until first used: list them for dir() and completion.
+    return sorted({*globals(), *_LAZY})
+
+
+__all__ = [
+    "CounterRNG",
+    "LearnableCodebooks",
+    "MidxCallback",
+    "MidxConfig",
+    "MidxIndex",
+    "MidxLMHead",
+    "MidxNonFiniteError",
+    "MidxTrainer",
+    "SAMPLERS",
+    "Sampler",
+    "__version__",
+    "build_sampler",
+    "full_softmax_loss",
+    "kl_to_softmax",
+    "proposal_diagnostics",
+    "refresh_index",
+    "sampled_softmax_loss",
+    "token_counts",
+    "unwrap",
+    "wrap",
+]

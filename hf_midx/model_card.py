@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ._io import atomic_write
-from .config import MidxConfig
+from .config import EXACT_HEAD_FRACTION, MidxConfig
 from .version import __version__
 
 
@@ -122,7 +122,8 @@ def midx_training_facts(
         "negatives_short": "per token" if config.negatives == "per-query" else "shared by each batch",
         "remove_accidental_hits": config.remove_accidental_hits,
         "estimator": config.estimator,
-        "exact_head": config.exact_head,
+        # The value in use: a head of V classes scores at most V / 8 exactly (MidxConfig.for_vocabulary).
+        "exact_head": min(config.exact_head, num_classes // EXACT_HEAD_FRACTION) if num_classes else config.exact_head,
         "mixture_text": (
             f"{config.mix_weight:g} x {config.mix_static} + {1 - config.mix_weight:g} x MIDX"
             if is_midx and config.mix_weight > 0

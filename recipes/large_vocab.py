@@ -29,7 +29,8 @@ import torch
 if not __package__:  # run as a file (python, torchrun or accelerate launch recipes/large_vocab.py)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `recipes` is a package
 
-from recipes.lm_data import TokenBlocks, token_counts, word_level_decoder
+from hf_midx import token_counts
+from recipes.lm_data import TokenBlocks, word_level_decoder
 from recipes.lm_recipe import (
     ModelArguments,
     OutputArguments,
@@ -38,6 +39,7 @@ from recipes.lm_recipe import (
     check_model_arguments,
     check_output_and_resume,
     check_push,
+    check_reporting,
     logger,
     midx_arguments,
     midx_config_from,
@@ -98,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     midx_config = midx_config_from(midx_args, training_args.seed)
     resume = check_output_and_resume(training_args, overwrite=output_args.overwrite_output_dir)
     check_push(training_args)
+    check_reporting(training_args)
 
     length = syn.seq_len + 1
     splits = {}

@@ -13,7 +13,8 @@ the published WikiText-2 figures (vocabulary 33,278; 2,088,628 / 217,646 / 245,5
   dropped (fewer than ``seq_len``). All blocks have the same length, so no padding is needed;
 * perplexity is exp(sum of token negative log-likelihoods / number of predicted tokens) over all blocks.
 
-This module knows nothing of hf_midx; ``lm_recipe`` builds on it.
+The class counts of a stream come from :func:`hf_midx.token_counts` (re-exported here as ``token_counts``,
+a plain-PyTorch function); nothing else of hf_midx is used. ``lm_recipe`` builds on this module.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
+
+from hf_midx.data import token_counts  # noqa: F401  (the recipes' and benchmarks' class counts)
 
 UNK = "<unk>"
 EOS = "<eos>"
@@ -68,7 +71,11 @@ def build_word_level_tokenizer(lines: Iterable[str]):
     training stream (:func:`encode_lines` puts it there); the tokenizer itself adds nothing, so a prompt
     encodes to its words only and a model generates after them, as with any causal-LM tokenizer.
     ``<eos>`` is also the bos and pad token. Decoding puts a space before every word (:func:`word_level_decoder`).
-    On the full WikiText-2 training split the vocabulary has 33,278 entries.
+    ``<unk>`` is a word of the vocabulary (WikiText writes it in its text), not a special token: a generation
+    that predicts it shows it ("released in the <unk> .") instead of dropping it, as ``skip_special_tokens``
+    (the text-generation pipeline's default) would. The tokenizer's ``unk_token`` is therefore None; the
+    WordLevel model still maps unknown words to it. On the full WikiText-2 training split the vocabulary has
+    33,278 entries.
     """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -86,7 +93,7 @@ def build_word_level_tokenizer(lines: Iterable[str]):
     backend.decoder = word_level_decoder()
     # <eos> is also bos and pad, as in the recipe's model config (GPT-2 does the same with <|endoftext|>): the
     # Trainer then has no special token to align between them. Nothing adds any of them to an encoded text.
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=UNK, eos_token=EOS, bos_token=EOS, pad_token=EOS)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, bos_token=EOS, pad_token=EOS)
 
 
 def word_level_decoder():
@@ -183,8 +190,3 @@ def collate_blocks(features: Sequence[dict[str, torch.Tensor]]) -> dict[str, tor
     """
     input_ids = torch.stack([f["input_ids"] for f in features])
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
-
-
-def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(V,) int64 occurrences of each id in ``ids`` (any shape): the unigram / log-uniform samplers' class counts."""
-    return torch.bincount(ids.reshape(-1), minlength=vocab_size)[:vocab_size]

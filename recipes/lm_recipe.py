@@ -31,6 +31,7 @@ import shlex
 import sys
 import time
 import typing
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,7 +61,10 @@ class RecipeError(Exception):
 
 
 class Interrupted(Exception):
-    """Ctrl-C (SIGINT) during a recipe; the message says where the last checkpoint is. Exit status 130."""
+    """Ctrl-C (SIGINT) or SIGTERM during a recipe; the message says where the last checkpoint is.
+
+    Exit status 130 (SIGINT) or 143 (SIGTERM), as a shell reports a process killed by the signal.
+    """
 
 
 # ---------------------------------------------------------------------- arguments
@@ -170,15 +174,72 @@ def midx_config_from(midx_args: Any, seed: int):
     return None if sampler == FULL else config
 
 
-def _one_line_parser(dataclass_types):
+#: TrainingArguments flags that ``--help`` describes, in a line each; the others are listed by name
+#: (``--help_all`` gives transformers' own help for all).
+MAIN_TRAINING_FLAGS = {
+    "output_dir": "Where the model, tokenizer, card, checkpoints and results.json go.",
+    "num_train_epochs": "Epochs to train.",
+    "max_steps": "Optimizer steps to train (overrides --num_train_epochs when > 0).",
+    "learning_rate": "Peak learning rate of AdamW.",
+    "per_device_train_batch_size": "Blocks per batch and process.",
+    "eval_strategy": "When to evaluate on the validation blocks: no, steps, epoch.",
+    "save_strategy": "When to save a checkpoint-N folder: no, steps, epoch.",
+    "logging_steps": "Log the loss (and the midx/* values) every N steps.",
+    "seed": "Seed of the model's initialization, the data order and the sampler.",
+    "bf16": "bfloat16 mixed precision.",
+    "report_to": "Also log to these integrations, e.g. tensorboard (pip install 'hf-midx[tensorboard]').",
+    "resume_from_checkpoint": "'last' (the newest checkpoint-N of --output_dir) or a checkpoint folder.",
+    "push_to_hub": "Push the output folder to the Hub (with --hub_model_id user/name).",
+}
+
+
+def _one_line_parser(dataclass_types, description: str = ""):
     """``HfArgumentParser`` whose errors raise RecipeError (one line) instead of printing usage and exiting."""
+    import argparse
+
     from transformers import HfArgumentParser
 
     class OneLineParser(HfArgumentParser):
         def error(self, message):  # argparse's hook for bad command lines
             raise RecipeError(message)
 
-    return OneLineParser(dataclass_types)
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        """Defaults in the help (as HfArgumentParser shows them), the description's example lines as written."""
+
+    # allow_abbrev=False: "--num_sample 5" is an error, not "--num_samples 5" taken silently.
+    return OneLineParser(dataclass_types, description=description, formatter_class=Formatter, allow_abbrev=False)
+
+
+def _short_help(parser, argv: Sequence[str]) -> None:
+    """``--help`` describes the recipe's flags and the main TrainingArguments ones; it names the others.
+
+    The Trainer's ~120 flags with their help would be 600 lines. ``--help_all`` shows them all.
+    """
+    import argparse
+
+    from transformers import TrainingArguments
+
+    import textwrap
+
+    parser.add_argument("--help_all", action="help", help="Show every flag with its help, TrainingArguments' included.")
+    if "--help_all" in argv:
+        return
+    parser.usage = "%(prog)s [--output_dir DIR] [--flag value ...]   (--help: the main flags; --help_all: all)"
+    for action in parser._actions:
+        negated = action.option_strings[0][len("--no_") :] if action.option_strings[0].startswith("--no_") else None
+        if negated and action.help is not argparse.SUPPRESS:
+            action.help = f"Turn --{negated} off."
+    training = {f.name for f in dataclasses.fields(TrainingArguments)}
+    named = []
+    for action in parser._actions:  # argparse keeps no public list of its actions
+        if action.dest in MAIN_TRAINING_FLAGS:
+            action.help = MAIN_TRAINING_FLAGS[action.dest]
+        elif action.dest in training:
+            if action.help is not argparse.SUPPRESS and action.option_strings[0].startswith("--"):
+                named.append(action.option_strings[0])
+            action.help = argparse.SUPPRESS
+    text = "Every other transformers TrainingArguments flag works too (--help_all describes them): "
+    parser.epilog = textwrap.fill(text + ", ".join(sorted(set(named))) + ".", width=78)
 
 
 def parse_arguments(
@@ -191,8 +252,9 @@ def parse_arguments(
     """
     from transformers import TrainingArguments
 
-    parser = _one_line_parser([*dataclass_types, TrainingArguments])
-    parser.description = doc
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _one_line_parser([*dataclass_types, TrainingArguments], description=_description(doc))
+    _short_help(parser, argv)
     parser.set_defaults(**training_defaults)
     if launched_without_gpu():
         # A torchrun / accelerate launch of several processes on a machine without a GPU: without use_cpu the
@@ -202,6 +264,11 @@ def parse_arguments(
         return tuple(parser.parse_args_into_dataclasses(args=argv))
     except (ValueError, TypeError) as err:
         raise RecipeError(str(err)) from None
+
+
+def _description(doc: str) -> str:
+    """A recipe docstring's first two paragraphs (what it does, the example commands), for ``--help``."""
+    return "\n\n".join(doc.strip().split("\n\n")[:2]).replace("``", "")
 
 
 def launched_without_gpu() -> bool:
@@ -238,13 +305,16 @@ def recipe_training_defaults(output_dir: str) -> dict[str, Any]:
 
 
 def setup_logging(training_args) -> None:
-    """The recipe's and hf_midx's INFO messages on stdout from the main process; WARNING elsewhere."""
+    """The recipe's and hf_midx's INFO messages on stderr from the main process; WARNING elsewhere.
+
+    stderr, as transformers logs: one stream for progress, logs, warnings and errors, and stdout stays free.
+    """
     import transformers
 
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
-        handlers=[logging.StreamHandler(sys.stdout)],
+        handlers=[logging.StreamHandler(sys.stderr)],
         force=True,
     )
     level = logging.INFO if training_args.should_log else logging.WARNING
@@ -252,6 +322,18 @@ def setup_logging(training_args) -> None:
         logging.getLogger(name).setLevel(level)
     if training_args.log_level != "passive":
         transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
+    # Python warnings as one log line, without the source path and line that warnings.showwarning prints.
+    warnings.showwarning = _log_warning
+    if training_args.disable_tqdm:
+        # No terminal: the saving bars ("Writing model shards") would write carriage returns into the log.
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
+
+
+def _log_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    logging.getLogger("py.warnings").warning("%s: %s", category.__name__, message)
 
 
 def check_output_and_resume(training_args, overwrite: bool = False) -> str | None:
@@ -344,6 +426,18 @@ def check_hub_source(name: str | None, flag: str) -> None:
     if reason is not None:
         hint = "set HF_HUB_OFFLINE=1 to use the cached copy" if cached else "it is not in the local cache either"
         raise RecipeError(f"{flag} {name!r}: the Hugging Face Hub cannot be reached ({reason[:200]}); {hint}.")
+
+
+def check_reporting(training_args) -> None:
+    """RecipeError now, in one line, for a ``--report_to`` integration that is not installed.
+
+    Without this the Trainer stops with a long traceback once the model is built.
+    """
+    from transformers.integrations import is_tensorboard_available
+
+    wanted = training_args.report_to or []
+    if "tensorboard" in wanted and not is_tensorboard_available():
+        raise RecipeError("--report_to tensorboard needs TensorBoard: pip install 'hf-midx[tensorboard]'.")
 
 
 def check_push(training_args) -> None:
@@ -541,15 +635,30 @@ def _trainer_classes():
         """The baseline: the plain Trainer, plus ``<prefix>_perplexity`` in evaluation metrics."""
 
     class TokenCounter(TrainerCallback):
-        """The tokens seen when training starts (after a resumed state is loaded), and the seconds that
-        evaluations took during ``train()`` (they count in the Trainer's ``train_runtime``)."""
+        """Time and tokens of the training, the earlier sessions of a resumed run included; progress lines.
 
-        start_tokens = 0
-        eval_seconds = 0.0
-        training = False
+        It records the tokens seen when training starts (after a resumed state is loaded) and the seconds that
+        evaluations took during ``train()`` (they count in the Trainer's ``train_runtime``). Every checkpoint gets
+        ``recipe_time.json`` (the training seconds so far), which a resume reads back, so ``results.json`` gives
+        the whole run's time. With ``quiet_progress`` (no progress bar: stderr is not a terminal) it logs a
+        progress line at the first step and then every :data:`PROGRESS_SECONDS`.
+        """
+
+        def __init__(self, resume: str | None = None, quiet_progress: bool = False):
+            self.resume, self.quiet_progress = resume, quiet_progress
+            self.start_tokens, self.eval_seconds, self.training = 0, 0.0, False
+            self.earlier = _read_time(resume)  # {"train_runtime_s", "eval_during_training_s"} of earlier sessions
+            self.began = self.last_line = time.perf_counter()
+            self.start_step = 0
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.start_tokens, self.eval_seconds, self.training = state.num_input_tokens_seen, 0.0, True
+            self.began, self.start_step = time.perf_counter(), state.global_step
+            self.last_line = self.began - PROGRESS_SECONDS  # the first step logs a line
+            if self.resume is not None and state.is_world_process_zero:
+                logger.info(
+                    "resuming from %s (step %d of %d)", os.path.basename(self.resume), state.global_step, state.max_steps
+                )
 
         def on_train_end(self, args, state, control, **kwargs):
             self.training = False
@@ -558,7 +667,67 @@ def _trainer_classes():
             if self.training and metrics:
                 self.eval_seconds += sum(v for k, v in metrics.items() if k.endswith("_runtime"))
 
-    return RecipeMidxTrainer, FullSoftmaxTrainer, TokenCounter
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            if not self.quiet_progress or not state.is_world_process_zero or now - self.last_line < PROGRESS_SECONDS:
+                return
+            self.last_line = now
+            done = state.global_step - self.start_step
+            left = (now - self.began) / done * (state.max_steps - state.global_step) if done else float("nan")
+            logger.info(
+                "step %d of %d (%.0f%%), %s elapsed, about %s left",
+                state.global_step,
+                state.max_steps,
+                100 * state.global_step / max(state.max_steps, 1),
+                _duration(now - self.began),
+                _duration(left),
+            )
+
+        def on_save(self, args, state, control, **kwargs):
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            if state.is_world_process_zero and os.path.isdir(folder):
+                _write_json_atomic(os.path.join(folder, TIME_NAME), self.totals())
+
+        def totals(self) -> dict[str, float]:
+            """Training and in-training evaluation seconds of the whole run so far (earlier sessions included)."""
+            return {
+                "train_runtime_s": self.earlier["train_runtime_s"] + time.perf_counter() - self.began,
+                "eval_during_training_s": self.earlier["eval_during_training_s"] + self.eval_seconds,
+            }
+
+    class LogLines(TrainerCallback):
+        """The Trainer's log entries as lines on stderr, where the recipe logs (transformers' PrinterCallback
+        prints them to stdout)."""
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and logs:
+                shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in logs.items() if k != "total_flos"}
+                logger.info("%s", shown)
+
+    return RecipeMidxTrainer, FullSoftmaxTrainer, TokenCounter, LogLines
+
+
+#: With no progress bar (stderr not a terminal: tee, nohup, CI), a progress line at least this often, in seconds.
+PROGRESS_SECONDS = 20.0
+#: Written into every checkpoint-N: the training seconds so far, for results.json after a resume.
+TIME_NAME = "recipe_time.json"
+
+
+def _read_time(checkpoint: str | None) -> dict[str, float]:
+    totals = {"train_runtime_s": 0.0, "eval_during_training_s": 0.0}
+    path = None if checkpoint is None else os.path.join(checkpoint, TIME_NAME)
+    if path is not None and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        totals.update({k: float(saved[k]) for k in totals if k in saved})
+    return totals
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 def _split_metrics(trainer, blocks: TokenBlocks, prefix: str) -> dict[str, Any]:
@@ -645,7 +814,7 @@ def train_and_report(
 
     from hf_midx import MidxLMHead
 
-    MidxTrainer, FullSoftmaxTrainer, TokenCounter = _trainer_classes()
+    MidxTrainer, FullSoftmaxTrainer, TokenCounter, LogLines = _trainer_classes()
     set_seed(training_args.seed)
     if midx_config is not None and training_args.n_gpu > 1:
         raise RecipeError(
@@ -658,6 +827,8 @@ def train_and_report(
     if data.tokenizer is not None and positions and data.tokenizer.model_max_length > positions:
         data.tokenizer.model_max_length = positions  # saved with it: pipelines truncate prompts to what fits
     if midx_config is not None:
+        # exact_head above V/8 is lowered: the head, its saved midx_config.json and the card get the value in use.
+        midx_config = midx_config.for_vocabulary(data.vocab_size)
         try:
             MidxLMHead.wrap(model, midx_config, class_counts=data.class_counts)
         except ValueError as err:
@@ -677,7 +848,9 @@ def train_and_report(
         _describe_sampler(midx_config),
     )
 
-    # Everything is checked; from here on the output directory is written.
+    # Everything is checked; from here on the output directory is written. A run stopped before its first
+    # checkpoint removes it again if this run made it (see _interrupted).
+    out_existed = os.path.isdir(training_args.output_dir)
     results_path = os.path.join(training_args.output_dir, RESULTS_NAME)
     if training_args.process_index == 0 and os.path.exists(results_path):
         # Only with --overwrite_output_dir or --resume_from_checkpoint (check_output_and_resume refuses
@@ -685,7 +858,7 @@ def train_and_report(
         os.remove(results_path)
     if training_args.process_index == 0 and overwrite and resume is None:
         _remove_checkpoints(training_args.output_dir)
-    counter = TokenCounter()
+    counter = TokenCounter(resume, quiet_progress=training_args.disable_tqdm)
     trainer_cls = FullSoftmaxTrainer if midx_config is None else MidxTrainer
     trainer = trainer_cls(
         model=model,
@@ -696,19 +869,24 @@ def train_and_report(
         processing_class=data.tokenizer,
         callbacks=[counter],
     )
+    if training_args.disable_tqdm:  # the log entries on stderr with the recipe's lines, not on stdout
+        from transformers.trainer_callback import PrinterCallback
+
+        trainer.remove_callback(PrinterCallback)
+        trainer.add_callback(LogLines())
     try:
         train_output = trainer.train(resume_from_checkpoint=resume)
-    except KeyboardInterrupt:
-        raise Interrupted(_interrupted_message(training_args.output_dir)) from None
-    metrics = train_output.metrics
-    valid = _split_metrics(trainer, data.valid, "eval")
-    test = _split_metrics(trainer, data.test, "test") if data.test is not None else None
-
-    trainer.save_model()
-    trainer.save_state()
+        metrics = train_output.metrics
+        valid = _split_metrics(trainer, data.valid, "eval")
+        test = _split_metrics(trainer, data.test, "test") if data.test is not None else None
+        trainer.save_model()
+        trainer.save_state()
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (see run)
+        raise _interrupted(err, training_args, out_existed) from None
 
     runtime = float(metrics.get("train_runtime", float("nan")))
     train_seconds = runtime - counter.eval_seconds  # without the evaluations during training
+    totals = counter.totals()
     tokens = None
     if training_args.include_num_input_tokens_seen != "no":
         tokens = int(trainer.state.num_input_tokens_seen - counter.start_tokens)
@@ -740,8 +918,10 @@ def train_and_report(
         "global_step": trainer.state.global_step,
         "epoch": trainer.state.epoch,
         "train_tokens_seen": tokens,
-        "train_runtime_s": runtime,
-        "eval_during_training_s": counter.eval_seconds,
+        # The whole run's, earlier sessions of a resumed run included; tokens_per_second is this session's.
+        "train_runtime_s": totals["train_runtime_s"] if resume else runtime,
+        "eval_during_training_s": totals["eval_during_training_s"],
+        "resumed_from": None if resume is None else os.path.basename(os.path.normpath(resume)),
         "tokens_per_second": None if tokens is None or not train_seconds > 0 else tokens / train_seconds,
         "wall_time_s": time.perf_counter() - started,
         "world_size": training_args.world_size,
@@ -771,7 +951,7 @@ def train_and_report(
             results["valid_perplexity"],
             "" if test is None else f", test perplexity {results['test_perplexity']:.3f}",
             "n/a" if results["tokens_per_second"] is None else f"{results['tokens_per_second']:.0f}",
-            runtime,
+            results["train_runtime_s"],
             results["wall_time_s"],
             results_path,
         )
@@ -811,13 +991,29 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
     return None
 
 
-def _interrupted_message(output_dir: str) -> str:
-    last = last_complete_checkpoint(output_dir)
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler's stop): handled as Ctrl-C is, with the exit status 143 of SIGTERM."""
+
+
+def _interrupted(err: KeyboardInterrupt, training_args, out_existed: bool) -> Interrupted:
+    """The Interrupted error for a run stopped by Ctrl-C or SIGTERM; removes what a run without a checkpoint wrote.
+
+    With no complete checkpoint there is nothing to resume, so the output folder goes if this run created it
+    (an existing folder is left as it is: it may hold the user's files).
+    """
+    import shutil
+
+    out = training_args.output_dir
+    how = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
+    last = last_complete_checkpoint(out)
     if last is None:
-        return f"interrupted; no checkpoint was saved in {output_dir!r} yet, so there is nothing to resume."
-    return (
-        f"interrupted; the last checkpoint is {last!r}: continue with the same command plus "
-        "--resume_from_checkpoint last."
+        if training_args.process_index == 0 and not out_existed and os.path.isdir(out):
+            shutil.rmtree(out, ignore_errors=True)
+            return Interrupted(f"{how} before the first checkpoint; {out!r} is removed.", err)
+        return Interrupted(f"{how}; no checkpoint was saved in {out!r} yet, so there is nothing to resume.", err)
+    return Interrupted(
+        f"{how}; the last checkpoint is {last!r}: continue with the same command plus --resume_from_checkpoint last.",
+        err,
     )
 
 
@@ -945,21 +1141,36 @@ def results_markdown(results: dict[str, Any], argv: Sequence[str] = (), dataset:
 def run(main: Callable[[Sequence[str] | None], Any], argv: Sequence[str] | None = None) -> None:
     """Run a recipe's ``main``; a RecipeError or DataError becomes one line on stderr and exit status 2.
 
-    Ctrl-C becomes one line too, naming the last checkpoint (exit status 130, the shell's for SIGINT).
-    In a multi-process launch only the first process prints the line; every process exits with the status.
+    Ctrl-C becomes one line too, naming the last checkpoint (exit status 130, the shell's for SIGINT), and
+    so does SIGTERM (status 143). In a multi-process launch only the first process prints the line; every
+    process exits with the status.
     """
+    import signal
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    import threading
+
+    in_main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+    previous = signal.signal(signal.SIGTERM, terminate) if in_main else None
     try:
         main(argv)
     except (RecipeError, DataError) as err:
         _say("error: " + str(err))
         sys.exit(2)
     except Interrupted as err:
-        _say(str(err))
-        sys.exit(130)
-    except KeyboardInterrupt:  # outside training (loading data, evaluating, saving)
+        _say(str(err.args[0]))
+        sys.exit(143 if isinstance(err.args[-1], Terminated) else 130)
+    except Terminated:  # outside training (loading data)
+        _say("terminated (SIGTERM).")
+        sys.exit(143)
+    except KeyboardInterrupt:  # outside training (loading data)
         _say("interrupted.")
         sys.exit(130)
     finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         end_process_group()
 
 

@@ -2,13 +2,14 @@
 """Train a word-level language model on WikiText-2 with the MIDX sampled softmax, or the full softmax.
 
     python recipes/wikitext2.py --output_dir runs/wikitext2
-    accelerate launch recipes/wikitext2.py --output_dir runs/wikitext2-full --sampler full
+    python recipes/wikitext2.py --output_dir runs/wikitext2-full --sampler full
 
-Defaults follow the paper's WikiText-2 transformer: a GPT-2-architecture decoder with 2 layers, 4 heads,
-embeddings 200, feed-forward 1024, tied embeddings, 50 predicted tokens per block. The sampler is
-MIDX-rq with 100 negatives per token and 128 codewords per codebook: the paper's 20 and 32
-(``--num_samples 20 --codebook_size 32``) lost far more perplexity in our WikiText-2 runs (README,
-"Performance"). Data: WikiText-2 from the Hugging Face Hub
+The model is the paper's WikiText-2 transformer: a GPT-2-architecture decoder with 2 layers, 4 heads,
+embeddings 200, feed-forward 1024, tied embeddings, 50 predicted tokens per block. The sampler is the
+library's default (midx-rq with an exact head and a unigram mixture) with 100 negatives per token,
+128 codewords per codebook and an index rebuilt every 100 steps. In one-epoch runs with K = 32, M = 20
+(``--num_samples 20``) trained as well as M = 100 at about 1.7 times its speed
+(recipes/benchmarks/README.md). Data: WikiText-2 from the Hugging Face Hub
 (``Salesforce/wikitext``, ``wikitext-2-v1``), or local files with --train_file/--validation_file
 [--test_file]; when the Hub cannot be reached and no file is given, a small sample shipped in
 recipes/data/wikitext2_sample (one line says so). The tokenizer is word level, built from the training
@@ -27,7 +28,8 @@ from pathlib import Path
 if not __package__:  # run as a file (python, torchrun or accelerate launch recipes/wikitext2.py)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `recipes` is a package
 
-from recipes.lm_data import TokenBlocks, build_word_level_tokenizer, encode_lines, read_lines, token_counts
+from hf_midx import token_counts
+from recipes.lm_data import TokenBlocks, build_word_level_tokenizer, encode_lines, read_lines
 from recipes.lm_recipe import (
     ModelArguments,
     OutputArguments,
@@ -38,6 +40,7 @@ from recipes.lm_recipe import (
     check_model_arguments,
     check_output_and_resume,
     check_push,
+    check_reporting,
     hub_unreachable,
     logger,
     midx_arguments,
@@ -50,11 +53,12 @@ from recipes.lm_recipe import (
 )
 
 SAMPLE_DIR = Path(__file__).resolve().parent / "data" / "wikitext2_sample"
+SAMPLE_NAME = "recipes/data/wikitext2_sample"  # as messages show it: no path of this machine
 HUB_DATASET, HUB_CONFIG = "Salesforce/wikitext", "wikitext-2-v1"
 SPLITS = ("train", "validation", "test")
-#: Where the recipe differs from MidxConfig. On WikiText-2 (1 epoch, this CPU) M = 100, K = 128 reached test
-#: perplexity 240.7 where the paper's M = 20, K = 32 reached 373.5 (full softmax: 200.5), and 171.3 vs 673.2
-#: in the full softmax's training time; the refresh every 100 steps keeps a 1-epoch run off the initial weights.
+#: Where the recipe differs from MidxConfig: more codewords for WikiText-2's 33k words, and a refresh every
+#: 100 steps, which keeps a run of one epoch or less off the index of the random initial weights (the
+#: library's refresh at each epoch start alone would never rebuild it).
 MIDX_DEFAULTS = {"num_samples": 100, "codebook_size": 128, "refresh_every_steps": 100}
 
 
@@ -132,7 +136,7 @@ def load_splits(data_args: DataArguments, is_main: bool) -> tuple[dict[str, list
             HUB_DATASET,
             HUB_CONFIG,
             " ".join(reason.split())[:200],
-            SAMPLE_DIR,
+            SAMPLE_NAME,
             "/".join(str(len(lines)) for lines in splits.values()),
         )
     card = {"dataset": "WikiText-2 (sample shipped with hf-midx)", "tags": ["wikitext-2", "word-level"]}
@@ -173,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     midx_config = midx_config_from(midx_args, training_args.seed)
     resume = check_output_and_resume(training_args, overwrite=output_args.overwrite_output_dir)
     check_push(training_args)
+    check_reporting(training_args)
 
     with training_args.main_process_first(desc="loading the data"):
         splits, description, card = load_splits(data_args, is_main=training_args.process_index == 0)

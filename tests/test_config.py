@@ -193,3 +193,24 @@ def test_lazy_export():
     import hf_midx
 
     assert hf_midx.MidxConfig is MidxConfig
+
+
+def test_for_vocabulary_lowers_exact_head_to_a_eighth_of_v_and_warns_for_a_set_value():
+    import warnings
+
+    assert MidxConfig().for_vocabulary(100_000) == MidxConfig()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert MidxConfig().for_vocabulary(300).exact_head == 37  # the default, quietly
+    with pytest.warns(UserWarning, match=r"exact_head=999999 is more than V/8 = 125 .*using exact_head=125"):
+        used = MidxConfig(exact_head=999999).for_vocabulary(1000)
+    assert used.exact_head == 125 and used.replace(exact_head=999999) == MidxConfig(exact_head=999999)
+    with pytest.raises(ValueError, match="num_classes"):
+        MidxConfig().for_vocabulary(0)
+
+
+def test_model_card_shows_the_exact_head_in_use():
+    from hf_midx.model_card import midx_training_facts
+
+    assert midx_training_facts(MidxConfig(exact_head=999999), num_classes=1000)["exact_head"] == 125
+    assert midx_training_facts(MidxConfig(exact_head=64), num_classes=1000)["exact_head"] == 64

@@ -197,7 +197,7 @@ def test_every_readme_command_runs(tmp_path):
         assert results["global_step"] == max_steps  # the resume command continued to its new max_steps
         # One job over all the launched processes (DDP on the CPU here), not several separate trainings.
         assert results["world_size"] == world_size(steps[-1][0])
-        assert sum(done[-1][1].stdout.count(f"{Path(script).stem} done:") for script in SCRIPTS) == 1
+        assert sum(done[-1][1].stderr.count(f"{Path(script).stem} done:") for script in SCRIPTS) == 1
 
 
 # ---------------------------------------------------------------------- the Python usage
@@ -205,7 +205,8 @@ def test_usage_snippet_runs(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, GPT2Config, TrainingArguments
 
     from hf_midx import MidxLMHead, MidxTrainer
-    from recipes.lm_data import TokenBlocks, collate_blocks, token_counts
+    from hf_midx import token_counts
+    from recipes.lm_data import TokenBlocks, collate_blocks
 
     snippet = next(b for b in fenced_blocks(readme(), "python") if "MidxLMHead.wrap" in b)
     torch.manual_seed(0)

@@ -132,7 +132,9 @@ def test_word_level_tokenizer_ids_eos_unk_decoding_and_roundtrip(tmp_path):
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert len(loaded) == len(tok)
     assert loaded(" the cat zebra ")["input_ids"] == tok(" the cat zebra ")["input_ids"] == [2, 3, 0]
-    assert loaded.eos_token == EOS and loaded.unk_token == UNK
+    # <unk> is a word, not a special token: generated text keeps it instead of dropping it.
+    assert loaded.eos_token == EOS and loaded.unk_token is None
+    assert loaded.decode([vocab["the"], vocab[UNK]], skip_special_tokens=True) == " the <unk>"
     # Every word decodes with a space before it, so new tokens decoded apart (as text-generation
     # pipelines do) append to the prompt as words: "the cat" + " sat on".
     ids = loaded(" sat on the mat ")["input_ids"]
@@ -354,7 +356,9 @@ def test_wikitext2_exports_a_plain_model_with_exact_perplexity(trained, corpus, 
 
     check_card(out, sampler)
     # The progress stream carries the Trainer's logs, with the MIDX ones for MIDX runs.
-    assert "'loss'" in result.stdout and ("midx/kl" in result.stdout) == (sampler != "full")
+    # On stderr, as transformers logs; stdout stays empty.
+    assert "'loss'" in result.stderr and ("midx/kl" in result.stderr) == (sampler != "full")
+    assert result.stdout == "" and "step 1 of 20" in result.stderr
 
 
 # ---------------------------------------------------------------------- bad input: one line, exit 2, nothing written
@@ -612,5 +616,45 @@ def test_large_vocab_reports_optimal_and_achieved_perplexity(tmp_path):
     assert results["data"]["vocab_size"] == 5000 and results["sampler"] == "midx-rq"
     assert results["test_perplexity"] > 1 and results["synthetic"]["oracle_test_perplexity"] > 1
     assert results["synthetic"]["unigram_perplexity"] > expected
-    assert "optimal (entropy-rate) perplexity" in result.stdout and "achieved test perplexity" in result.stdout
+    assert "optimal (entropy-rate) perplexity" in result.stderr and "achieved test perplexity" in result.stderr
     assert "Optimal perplexity" in (out / "README.md").read_text(encoding="utf-8")
+
+
+def test_help_is_short_and_abbreviations_are_errors():
+    env = recipe_env(COLUMNS="80")
+    result = subprocess.run([sys.executable, str(RECIPES / "wikitext2.py"), "--help"], env=env, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    check_ok(result)
+    assert len(result.stdout.splitlines()) <= 250 and "--help_all" in result.stdout and "``" not in result.stdout
+    bad = run_recipe("wikitext2.py", "--num_sample", "5", "--output_dir", "unused")
+    assert bad.returncode == 2 and "--num_sample" in bad.stderr
+
+
+def test_report_to_tensorboard_without_it_is_one_line(monkeypatch):
+    import transformers.integrations
+
+    from recipes.lm_recipe import RecipeError, check_reporting
+
+    monkeypatch.setattr(transformers.integrations, "is_tensorboard_available", lambda: False)
+    args = type("Args", (), {"report_to": ["tensorboard"]})()
+    with pytest.raises(RecipeError, match=r"pip install 'hf-midx\[tensorboard\]'"):
+        check_reporting(args)
+
+
+def test_sigterm_before_the_first_checkpoint_leaves_no_output_folder(corpus, tmp_path):
+    out = tmp_path / "new" / "run"
+    proc = start("wikitext2.py", "--output_dir", str(out), "--max_steps", "100000", *file_args(corpus), *TINY)
+    try:
+        deadline = time.monotonic() + 300
+        while not out.is_dir() and proc.poll() is None:  # the Trainer made the folder: training is under way
+            assert time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.1)
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        result = finish(proc)
+    finally:
+        proc.kill()
+    assert result.returncode == 143, (result.returncode, result.stderr[-3000:])
+    lines = [line for line in result.stderr.splitlines() if line.startswith("wikitext2.py:")]
+    assert len(lines) == 1 and lines[0].startswith("wikitext2.py: terminated (SIGTERM) before the first checkpoint"), lines
+    assert not out.exists()

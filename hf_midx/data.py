@@ -1,0 +1,115 @@
+"""Training-token counts: the ``class_counts`` that ``MidxLMHead.wrap`` takes.
+
+The exact head (the most frequent classes scored exactly), the unigram half of the default mixture and
+the unigram / log-uniform samplers all rank classes by how often they occur as training tokens. This
+module turns what a user has at hand (a tensor of ids, lists of ids, a ``datasets.Dataset`` with an
+``input_ids`` column) into the (V,) int64 tensor they need. Plain PyTorch; ``datasets`` is never imported
+(a dataset is recognised by its ``column_names``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["token_counts"]
+
+#: Rows of a dataset or of a list counted per ``bincount`` call: bounds the memory of one flattened batch.
+_CHUNK_ROWS = 1024
+
+
+def token_counts(data: Any, vocab_size: int, *, column: str = "input_ids") -> torch.Tensor:
+    """(V,) int64 count of each token id in ``data``: the ``class_counts`` of ``MidxLMHead.wrap``.
+
+    Args:
+        data: the training token ids, as one of
+            - a tensor (or numpy array) of any shape;
+            - a sequence of sequences of ids (a list of tokenized texts; lengths may differ);
+            - a ``datasets.Dataset`` (or a dict of lists) with a ``column`` of ids, e.g. the output of
+              ``dataset.map(tokenize)``; a ``DatasetDict`` must be given one split (``ds["train"]``).
+        vocab_size: V, the number of classes of the head (``model.config.vocab_size``).
+        column: the column holding the ids in a dataset or dict.
+
+    Returns:
+        An int64 tensor of shape (V,), on the CPU.
+
+    Raises:
+        ValueError: ``vocab_size`` is not a positive integer, ``data`` holds no ids, an id is negative or
+            ``>= vocab_size``, a value is not an integer, or the dataset has no such column.
+
+    Label padding (``-100``) is not a token: count the ``input_ids`` of the training set, before padding,
+    or strip it first.
+    """
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}.")
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    seen = 0
+    for ids in _id_chunks(data, column):
+        if ids.numel() == 0:
+            continue
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(f"token ids must be integers, got dtype {ids.dtype}.")
+        ids = ids.reshape(-1).to(torch.int64)
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            hint = " (-100 is label padding: count input_ids, not labels)" if bad == -100 else ""
+            raise ValueError(f"token id {bad} is outside [0, {vocab_size}) (vocab_size={vocab_size}){hint}.")
+        counts += torch.bincount(ids.cpu(), minlength=vocab_size)
+        seen += ids.numel()
+    if seen == 0:
+        raise ValueError("token_counts got no token ids; pass the training set's ids.")
+    return counts
+
+
+def _id_chunks(data: Any, column: str) -> Iterable[torch.Tensor]:
+    """``data`` as a stream of id tensors, a bounded number of rows at a time."""
+    if isinstance(data, torch.Tensor):
+        yield data
+        return
+    if type(data).__module__.startswith("numpy"):
+        yield torch.as_tensor(data)
+        return
+    if isinstance(data, (str, bytes)):
+        raise ValueError(f"token_counts needs token ids, not text ({type(data).__name__}); tokenize it first.")
+    names = getattr(data, "column_names", None)
+    if isinstance(names, Mapping):  # a DatasetDict: one column list per split
+        raise ValueError(f"token_counts needs one split of a DatasetDict, e.g. data['train'] (splits: {sorted(names)}).")
+    if names is not None or isinstance(data, Mapping):
+        columns = list(names) if names is not None else list(data)
+        if column not in columns:
+            raise ValueError(f"the dataset has no {column!r} column (columns: {columns}); tokenize it first.")
+        if names is not None and hasattr(data, "iter"):  # a datasets.Dataset: read in batches, no full copy
+            for batch in data.with_format("numpy").iter(batch_size=_CHUNK_ROWS):
+                yield from _rows(batch[column])
+            return
+        data = data[column]
+    yield from _rows(data)
+
+
+def _rows(rows: Any) -> Iterable[torch.Tensor]:
+    """Tensors of a sequence of id rows (a list of lists, a numpy object array, or a 2-D array)."""
+    if isinstance(rows, torch.Tensor) or (type(rows).__module__.startswith("numpy") and rows.dtype != object):
+        yield torch.as_tensor(rows)
+        return
+    try:
+        rows = list(rows)
+    except TypeError:
+        raise ValueError(f"token_counts cannot read token ids from a {type(rows).__name__}.") from None
+    if rows and all(isinstance(r, int) and not isinstance(r, bool) for r in rows[:1]):
+        yield _tensor(rows)  # one flat list of ids
+        return
+    for start in range(0, len(rows), _CHUNK_ROWS):
+        # An empty row converts to a float tensor, which would turn the concatenation into floats.
+        chunk = [t.reshape(-1) for t in map(_tensor, rows[start : start + _CHUNK_ROWS]) if t.numel()]
+        if chunk:
+            yield torch.cat(chunk)
+
+
+def _tensor(row: Any) -> torch.Tensor:
+    try:
+        return torch.as_tensor(row)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"token ids must be integers or lists of integers ({err}).") from None
