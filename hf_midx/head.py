@@ -69,8 +69,10 @@ class MidxLMHead(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.__dict__["linear"] = linear  # kept out of _modules so its keys do not appear twice
-        self.config = config
         self.num_classes = int(self.weight.shape[0])
+        # The values in use (exact_head at most V / 8): what midx_config.json and the card then show.
+        config = config.for_vocabulary(self.num_classes)
+        self.config = config
         self.logit_softcap = logit_softcap
         self.logit_scale = float(logit_scale)
         self.capturing = False
@@ -325,8 +327,8 @@ class MidxLMHead(nn.Module):
 
 
 def exact_head_ids(config: MidxConfig, class_counts, num_classes: int) -> torch.Tensor | None:
-    """(H,) ids of the exact head: the min(config.exact_head, V // 8) most frequent classes, sorted;
-    None when off or without counts (warned)."""
+    """(H,) ids of the exact head: the config.exact_head most frequent classes, sorted; None when off or
+    without counts (warned). ``config`` is already fitted to V (:meth:`MidxConfig.for_vocabulary`)."""
     h = config.exact_head
     if h == 0:
         return None
@@ -337,11 +339,6 @@ def exact_head_ids(config: MidxConfig, class_counts, num_classes: int) -> torch.
             UserWarning,
             stacklevel=4,
         )
-        return None
-    # At most V/8: a small vocabulary keeps most of its classes in the sampled part (and a default
-    # made for V in the tens of thousands still works on a tiny test model).
-    h = min(h, num_classes // 8)
-    if h == 0:
         return None
     counts = torch.as_tensor(class_counts).double().flatten()
     if counts.shape[0] != num_classes:

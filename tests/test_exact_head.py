@@ -36,7 +36,7 @@ def _train_steps(model, steps: int = 3) -> list[float]:
 
 def test_default_config_without_counts_warns_and_trains():
     model = tiny_model("gpt2")
-    with pytest.warns(UserWarning, match="need class_counts"):
+    with pytest.warns(UserWarning, match="needs? class_counts"):
         MidxLMHead.wrap(model, MidxConfig(codebook_size=8, num_samples=16, exact_head=0))
     head = MidxLMHead.find(model)
     assert head.sampler.mix_weight == 0.0 and head.exact_ids is None  # both need counts

@@ -89,9 +89,9 @@ class MidxSampler(Sampler):
             wanted = ["last_stage='frequency'"] if last_stage == "frequency" else []
             wanted += ["mix_static='unigram'"] if mix_weight > 0 and mix_static == "unigram" else []
             warnings.warn(
-                f"{self.name}: {' and '.join(wanted)} need class_counts (training-token frequencies); without them "
+                f"{self.name}: {' and '.join(wanted)} {'needs' if len(wanted) == 1 else 'need'} class_counts (training-token frequencies); without them "
                 "the sampler draws uniformly inside buckets and mixes in no static component. Pass "
-                "class_counts= (e.g. MidxLMHead.wrap(model, config, class_counts=counts)) for the measured defaults.",
+                "class_counts= (e.g. hf_midx.wrap(model, config, class_counts=hf_midx.token_counts(ids, V))) for the measured defaults.",
                 UserWarning,
                 stacklevel=3,
             )
