@@ -7,8 +7,9 @@ under ``runs/`` moved to a temporary folder, local data files replaced by text m
 cut to a few blocks and ``--vocab_size`` capped at 5,000. Launchers (``torchrun``, ``accelerate launch``)
 run as written: on a machine without GPUs the recipe itself makes their processes one DDP job on the CPU
 (``--use_cpu`` is added only where there are GPUs, but fewer than the command's processes), and the test
-checks the world size. The install steps before ``&&`` (PyTorch's CPU build, then
+checks the world size. The install steps before ``&&`` (a virtualenv, PyTorch's CPU build, then
 ``pip install -e .``) are checked for their text, not re-run: the package is installed where the tests run.
+Every ``python`` block runs as written, each in its own process and folder, offline.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ TEST_COMMAND = 'pip install -e ".[dev]" && python -m pytest -q tests'
 # An unpinned `torch` would take the newest release of any index, a CUDA build where PyPI offers one.
 CPU_TORCH = ["pip", "install", "torch==2.13.0", "--extra-index-url", "https://download.pytorch.org/whl/cpu"]
 INSTALL = ["pip", "install", "-e", "."]
+VENV = [["python", "-m", "venv", ".venv"], [".", ".venv/bin/activate"]]
 LAUNCHERS = {
     "python": [sys.executable],
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
@@ -86,10 +88,11 @@ def test_the_test_command_follows_its_marker_on_one_line():
 
 
 def test_first_command_installs_cpu_torch_before_the_package():
-    """A fresh CPU machine gets PyTorch's CPU build first; `pip install -e .` then keeps it (no CUDA wheels)."""
+    """In a new virtualenv, a fresh CPU machine gets PyTorch's CPU build first; `pip install -e .` then keeps it."""
     first = bash_commands(readme())[0]
     steps = [shlex.split(part) for part in first.split("&&")]
-    assert steps[0] == CPU_TORCH and steps[1] == INSTALL and steps[2][:2] == ["python", "recipes/wikitext2.py"]
+    assert steps[:2] == VENV
+    assert steps[2] == CPU_TORCH and steps[3] == INSTALL and steps[4][:2] == ["python", "recipes/wikitext2.py"]
     assert "With an NVIDIA GPU" in readme().split("## Usage", 1)[0]  # and what a GPU user does instead
     # CI pins the same CPU build (PyPI stays an index, for machines that only reach PyPI or a mirror).
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
@@ -114,7 +117,7 @@ def write_text_files(directory: Path) -> dict[str, Path]:
 def plan(command: str, tmp: Path, files: dict[str, Path]) -> tuple[list[str], str, str]:
     """(argv, output_dir, script) for one README command; fails for a command this test does not cover."""
     parts = [shlex.split(part) for part in command.split("&&")]
-    runs = [p for p in parts if p not in (INSTALL, CPU_TORCH)]
+    runs = [p for p in parts if p not in (INSTALL, CPU_TORCH, *VENV)]
     assert len(runs) == 1, f"README command not covered by tests/test_readme.py: {command!r}"
     tokens = runs[0]
     name = "accelerate launch" if tokens[:2] == ["accelerate", "launch"] else tokens[0]
@@ -201,35 +204,28 @@ def test_every_readme_command_runs(tmp_path):
 
 
 # ---------------------------------------------------------------------- the Python usage
-def test_usage_snippet_runs(tmp_path, monkeypatch):
-    from transformers import AutoModelForCausalLM, GPT2Config, TrainingArguments
+def test_every_python_block_runs(tmp_path):
+    """Each ```python block runs as a user would paste it: a fresh process, an empty folder, no network."""
+    blocks = fenced_blocks(readme(), "python")
+    assert any("SFTTrainer" in b for b in blocks) and any("MidxTrainer" in b for b in blocks)
+    env = offline_env(OMP_NUM_THREADS="1")
 
-    from hf_midx import MidxLMHead, MidxTrainer
-    from hf_midx import token_counts
-    from recipes.lm_data import TokenBlocks, collate_blocks
+    def run(item):
+        i, block = item
+        folder = tmp_path / f"block{i}"
+        folder.mkdir()
+        (folder / "example.py").write_text(block, encoding="utf-8")
+        return subprocess.run(
+            [sys.executable, "example.py"], cwd=folder, env=env, capture_output=True, text=True, timeout=600
+        )
 
-    snippet = next(b for b in fenced_blocks(readme(), "python") if "MidxLMHead.wrap" in b)
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=300, n_positions=17, n_embd=32, n_layer=1, n_head=2, n_inner=64, bos_token_id=1, eos_token_id=1
-    )
-    model = AutoModelForCausalLM.from_config(config)
-    stream = torch.randint(0, 300, (3000,))
-    pushed = []
-    monkeypatch.setattr(MidxTrainer, "push_to_hub", lambda self, *a, **k: pushed.append(self))
-    namespace = {
-        "model": model,
-        "counts": token_counts(stream, 300),
-        "args": TrainingArguments(
-            output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, report_to="none", use_cpu=True
-        ),
-        "train": TokenBlocks.from_stream(stream[:2500], 16),
-        "valid": TokenBlocks.from_stream(stream[2500:], 16),
-        "collator": collate_blocks,
-    }
-    exec(compile(snippet, str(README), "exec"), namespace)
-    assert MidxLMHead.find(model) is not None
-    assert len(pushed) == 1 and pushed[0].state.global_step == 2
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(run, enumerate(blocks)))
+    for block, result in zip(blocks, results, strict=True):
+        assert result.returncode == 0, f"{block}\nexit {result.returncode}\nstderr:\n{result.stderr[-3000:]}"
+    # TRL's SFTTrainer with MidxCallback.install: the callback is in place, so no missing-callback warning.
+    sft = results[next(i for i, b in enumerate(blocks) if "SFTTrainer" in b)]
+    assert "without MidxCallback" not in sft.stderr
 
 
 # ---------------------------------------------------------------------- facts quoted from the code
