@@ -65,7 +65,8 @@ def test_sft_trainer_trains_through_the_sampler(tmp_path):
         with_kwargs=True,
         prepend=True,  # before the head's own hook, which takes fused_lm_head out of the call
     )
-    sampler_draw = head.sampler.draw if hasattr(head.sampler, "draw") else head.sampler.sample
+    # The default (corrected-positive) estimator draws and scores the labels in one call.
+    sampler_draw = head.sampler.draw_scored
 
     def counting_draw(*args, **kwargs):
         # The logged diagnostics draw too, with a generator of their own; the training draws use the sampler's.
@@ -142,26 +143,14 @@ def test_fused_output_is_the_sampled_loss_in_training_and_exact_in_eval():
     torch.testing.assert_close(got.is_top1, want.is_top1)
 
 
-def test_readme_sft_snippet_runs(tmp_path):
-    """The README's SFTTrainer + MidxCallback block (SFTTrainer finds the tokenizer from the model's path)."""
+def test_readme_sft_block_trains_through_the_sampler(tmp_path, monkeypatch):
+    """The README's SFTTrainer block, as written: every training step went through the sampled softmax
+    (tests/test_readme.py runs every block; this one also looks inside)."""
     from test_readme import README, fenced_blocks, readme
 
-    snippet = next(b for b in fenced_blocks(readme(), "python") if "MidxCallback()" in b and "SFTTrainer" in b)
-    tokenizer_dir = tmp_path / "tokenizer"
-    _tokenizer().save_pretrained(str(tokenizer_dir))
-    model = tiny_model("gpt2", vocab_size=VOCAB, seed=0)
-    model.config._name_or_path = str(tokenizer_dir)  # where SFTTrainer looks for the tokenizer
-    rows = markov_rows(16)
-    namespace = {
-        "model": model,
-        "counts": torch.bincount(rows.flatten(), minlength=VOCAB),
-        "dataset": datasets.Dataset.from_dict({"input_ids": rows.tolist()}),
-        "sft_args": trl.SFTConfig(
-            output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=8, report_to=[], use_cpu=True,
-            bf16=False, disable_tqdm=True, dataset_num_proc=None,
-        ),
-    }
+    snippet = next(b for b in fenced_blocks(readme(), "python") if "SFTTrainer(" in b)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
     exec(compile(snippet, str(README), "exec"), namespace)
-    trainer = namespace["trainer"]
-    head = MidxLMHead.find(model)
+    trainer, head = namespace["trainer"], MidxLMHead.find(namespace["model"])
     assert head is not None and head.sampled_calls == trainer.state.global_step > 0
