@@ -658,3 +658,45 @@ def test_sigterm_before_the_first_checkpoint_leaves_no_output_folder(corpus, tmp
     lines = [line for line in result.stderr.splitlines() if line.startswith("wikitext2.py:")]
     assert len(lines) == 1 and lines[0].startswith("wikitext2.py: terminated (SIGTERM) before the first checkpoint"), lines
     assert not out.exists()
+
+
+def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path):
+    """The two reports of issue 16 on real (tiny) runs: paired differences, the exact KL split, purity."""
+    from recipes.benchmarks import synthetic_coverage, synthetic_curves
+
+    runs = {}
+    for sampler in ("midx-rq", "unigram"):
+        out = tmp_path / f"{sampler}_s3"
+        result = run_recipe(
+            "large_vocab.py", "--output_dir", str(out), "--vocab_size", "2000", "--max_steps", "6",
+            "--train_tokens", "2000", "--eval_tokens", "400", "--num_samples", "20", "--codebook_size", "16",
+            "--exact_head", "64", "--sampler", sampler, "--seed", "3", "--eval_strategy", "steps",
+            "--eval_steps", "3", "--save_strategy", "no", *TINY,
+        )  # fmt: skip
+        check_ok(result)
+        runs[sampler] = json.loads((out / "results.json").read_text())
+
+    payload = synthetic_curves.main([str(tmp_path / "midx-rq_s3"), str(tmp_path / "unigram_s3"),
+                                     "--out", str(tmp_path / "report"), "--no_plots"])  # fmt: skip
+    rows = {row["config"].split()[0]: row for row in payload["summary"]["2000"]}
+    assert set(rows) == {"midx-rq", "unigram"} and rows["midx-rq"]["seeds"] == [3]
+    optimum = runs["unigram"]["optimal_perplexity"]
+    assert math.isclose(rows["unigram"]["mean"], runs["unigram"]["test_perplexity"] / optimum, rel_tol=1e-12)
+    expected = 100 * (runs["midx-rq"]["test_perplexity"] / runs["unigram"]["test_perplexity"] - 1)
+    assert math.isclose(rows["midx-rq"]["vs_unigram_pct"][0], expected, rel_tol=1e-9)
+    assert [len(r["evals"]) for r in payload["runs"]] == [2, 2]  # steps 3 and 6
+    assert (tmp_path / "report" / "synthetic_curves.md").is_file()
+
+    report = synthetic_coverage.main([str(tmp_path / "midx-rq_s3"), "--out", str(tmp_path / "report"),
+                                      "--contexts", "16", "--exact_head", "64", "--proposals", "unigram",
+                                      "midx-rq K=64", "midx-rq K=64 mix=0.5 (default)"])  # fmt: skip
+    by_name = {row["proposal"]: row for row in report["rows"]}
+    plain = by_name["midx-rq K=64"]
+    # The split is exact: bucket stage + last stage = KL(P || Q) of the MIDX proposal without a mixture.
+    assert math.isclose(plain["kl_bucket_stage"] + plain["kl_last_stage"], plain["kl_pq"], rel_tol=1e-3, abs_tol=1e-5)
+    assert plain["kl_last_stage"] >= -1e-6 and plain["kl_bucket_stage"] >= -1e-6
+    # An exact last stage leaves only the bucket stage's KL, and covers P at least as well.
+    assert math.isclose(plain["exact_last_stage_kl_pq"], plain["kl_bucket_stage"], rel_tol=1e-3, abs_tol=1e-5)
+    assert plain["exact_last_stage_ess"] >= plain["ess"] - 1e-6
+    assert 0 < plain["cluster_purity"] <= 1 and "kl_bucket_stage" not in by_name["unigram"]
+    assert (tmp_path / "report" / "synthetic_coverage_midx-rq_s3.md").is_file()

@@ -1,0 +1,232 @@
+"""Learning curves of runs of ``recipes/large_vocab.py``: perplexity / optimum against tokens and time.
+
+Each run directory (the recipe's ``--output_dir``) holds ``results.json`` and ``trainer_state.json``.
+Runs are grouped by vocabulary size and configuration (sampler, M, exact head H, mixture, K); seeds are
+the groups' repeats. For every vocabulary size this writes
+
+* a table of the final test perplexity divided by the chain's optimal (entropy-rate) perplexity, per
+  seed and as mean +- standard deviation, and each configuration's paired difference to ``unigram``
+  with the same M and H (same seeds: mean and standard deviation of the per-seed differences, in % of
+  unigram's perplexity; "below by more than twice the paired sd" is the claim these figures test);
+* ``<name>_v<V>.png``: validation perplexity / optimum against training tokens and against training
+  wall-clock (the Trainer's ``train_runtime`` at each log, evaluation excluded), and the training-time
+  coverage diagnostics that ``MidxCallback`` logs (ESS / M, KL(P || Q), the exact head's share of the
+  softmax mass, P's mass on classes with p / q > 10) against tokens.
+
+Run: ``python recipes/benchmarks/synthetic_curves.py runs/syn/* --out recipes/benchmarks/results/cpu-synthetic``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file: the repository root holds the `recipes` package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from recipes.benchmarks import common  # noqa: E402
+
+NAME = "synthetic_curves"
+DIAGNOSTICS = (
+    ("midx/ess", "ESS / M"),
+    ("midx/kl_pq", "KL(P || Q), nats"),
+    ("midx/head_mass", "exact head's share of the mass"),
+    ("midx/mass_p_over_q_gt_10", "P's mass with p / q > 10"),
+)
+
+
+def config_label(results: dict) -> str:
+    """'full', or the sampler with the settings that tell runs apart (M, H, K, mixture, last stage)."""
+    cfg = results.get("midx_config")
+    if cfg is None:
+        return results["sampler"]
+    parts = [cfg["sampler"], f"M={cfg['num_samples']}", f"H={cfg['exact_head']}"]
+    if cfg["sampler"].startswith("midx"):
+        parts.append(f"K={cfg['codebook_size']}")
+        if cfg.get("mix_weight"):
+            parts.append(f"mix={cfg['mix_weight']:g}")
+        if cfg.get("last_stage", "uniform") != "uniform":
+            parts.append(f"last={cfg['last_stage']}")
+    if cfg.get("negatives", "per-query") != "per-query":
+        parts.append(cfg["negatives"])
+    return " ".join(parts)
+
+
+def run_seed(results: dict, run_dir: Path) -> int:
+    if results.get("seed") is not None:
+        return int(results["seed"])
+    if results.get("midx_config"):
+        return int(results["midx_config"]["seed"])
+    found = re.search(r"(?:^|[_-])s(?:eed)?(\d+)$", run_dir.name)
+    if found is None:
+        raise SystemExit(f"{run_dir}: no seed in results.json and none in the folder name (..._s<seed>).")
+    return int(found.group(1))
+
+
+def load_run(run_dir: Path) -> dict:
+    """One run: label, seed, V, optimum, final test perplexity and its curves (lists of points)."""
+    try:
+        results = json.loads((run_dir / "results.json").read_text())
+        history = json.loads((run_dir / "trainer_state.json").read_text())["log_history"]
+    except (OSError, ValueError, KeyError) as err:
+        raise SystemExit(f"{run_dir}: not a finished large_vocab run ({err}).") from None
+    if results.get("recipe") != "large_vocab" or not results.get("complete"):
+        raise SystemExit(f"{run_dir}: results.json is not a complete large_vocab run.")
+    optimum = results["optimal_perplexity"]
+    train = [e for e in history if "loss" in e and "train_runtime" in e]
+    # Wall-clock at a step: the Trainer's cumulative train_runtime, interpolated between training logs.
+    steps = [0] + [e["step"] for e in train]
+    runtimes = [0.0] + [e["train_runtime"] for e in train]
+
+    def seconds_at(step: int) -> float:
+        for (s0, t0), (s1, t1) in zip(zip(steps, runtimes), zip(steps[1:], runtimes[1:])):
+            if s0 <= step <= s1:
+                return t0 + (t1 - t0) * (step - s0) / max(s1 - s0, 1)
+        return runtimes[-1]
+
+    evals = [
+        {
+            "step": e["step"],
+            "tokens": e["num_input_tokens_seen"],
+            "seconds": seconds_at(e["step"]),
+            "ratio": e["eval_perplexity"] / optimum,
+        }
+        for e in history
+        if "eval_perplexity" in e
+    ]
+    diagnostics = {
+        key: [(e["num_input_tokens_seen"], e[key]) for e in train if key in e] for key, _ in DIAGNOSTICS
+    }
+    return {
+        "dir": str(run_dir),
+        "label": config_label(results),
+        "seed": run_seed(results, run_dir),
+        "vocab_size": results["data"]["vocab_size"],
+        "optimum": optimum,
+        "test_perplexity": results["test_perplexity"],
+        "test_ratio": results["test_perplexity"] / optimum,
+        "tokens": results["train_tokens_seen"],
+        "train_seconds": results["train_runtime_s"],
+        "tokens_per_second": results["tokens_per_second"],
+        "evals": evals,
+        "diagnostics": diagnostics,
+    }
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One row per configuration: per-seed ratios, mean +- sd, and the paired difference to unigram."""
+    groups: dict[str, dict[int, dict]] = {}
+    for r in runs:
+        groups.setdefault(r["label"], {})[r["seed"]] = r
+    rows = []
+    for label, by_seed in sorted(groups.items()):
+        ratios = [by_seed[s]["test_ratio"] for s in sorted(by_seed)]
+        row = {
+            "config": label,
+            "seeds": sorted(by_seed),
+            "test_ratio": ratios,
+            "mean": statistics.fmean(ratios),
+            "sd": statistics.stdev(ratios) if len(ratios) > 1 else None,
+            "tokens": max(r["tokens"] for r in by_seed.values()),
+            "tokens_per_second": statistics.fmean(r["tokens_per_second"] for r in by_seed.values()),
+        }
+        m_h = re.search(r"( M=\d+ H=\d+)", label)
+        baseline = groups.get(f"unigram{m_h.group(1)}") if m_h and not label.startswith("unigram") else None
+        if baseline:
+            shared = sorted(set(by_seed) & set(baseline))
+            diffs = [
+                100 * (by_seed[s]["test_perplexity"] / baseline[s]["test_perplexity"] - 1) for s in shared
+            ]
+            if diffs:
+                row["vs_unigram_pct"] = diffs
+                row["vs_unigram_mean"] = statistics.fmean(diffs)
+                row["vs_unigram_sd"] = statistics.stdev(diffs) if len(diffs) > 1 else None
+        rows.append(row)
+    return rows
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x:.{digits}f}"
+
+
+def markdown(v: int, rows: list[dict], optimum: float) -> str:
+    table = [
+        {
+            "config": r["config"],
+            "seeds": ", ".join(map(str, r["seeds"])),
+            "per_seed": ", ".join(_fmt(x) for x in r["test_ratio"]),
+            "mean": _fmt(r["mean"]) + ("" if r["sd"] is None else f" +- {_fmt(r['sd'])}"),
+            "vs": "-"
+            if "vs_unigram_pct" not in r
+            else ", ".join(f"{d:+.2f}%" for d in r["vs_unigram_pct"])
+            + ("" if r["vs_unigram_sd"] is None else f" (mean {r['vs_unigram_mean']:+.2f}% +- {r['vs_unigram_sd']:.2f})"),
+            "tokens": f"{r['tokens']:,}",
+            "speed": f"{r['tokens_per_second']:,.0f}",
+        }
+        for r in rows
+    ]
+    columns = [
+        ("configuration", "config"),
+        ("seeds", "seeds"),
+        ("test ppl / optimum, per seed", "per_seed"),
+        ("mean +- sd", "mean"),
+        ("vs unigram (same M, H), paired", "vs"),
+        ("training tokens", "tokens"),
+        ("tokens/s", "speed"),
+    ]
+    return f"## V = {v:,} (optimal perplexity {optimum:.2f})\n\n" + common.markdown_table(table, columns)
+
+
+def plot(v: int, runs: list[dict], out: Path) -> Path:
+    plt = common.pyplot()
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    labels = sorted({r["label"] for r in runs})
+    colors = {label: f"C{i}" for i, label in enumerate(labels)}
+    panels = [("tokens", "training tokens"), ("seconds", "training wall-clock, s")]
+    for ax, (x, xlabel) in zip(axes[0][:2], panels):
+        for r in runs:
+            pts = r["evals"]
+            ax.plot([p[x] for p in pts], [p["ratio"] for p in pts], color=colors[r["label"]], alpha=0.8,
+                    label=f"{r['label']} (seed {r['seed']})")
+        ax.set(xlabel=xlabel, ylabel="validation perplexity / optimum", yscale="log")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    for ax, (key, ylabel) in zip([axes[0][2], *axes[1]], DIAGNOSTICS):
+        for r in runs:
+            pts = r["diagnostics"][key]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[r["label"]], alpha=0.7)
+        ax.set(xlabel="training tokens", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"synthetic Zipf-Markov corpus, V = {v:,}")
+    return common.save_figure(fig, out, f"{NAME}_v{v}.png")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", type=Path, help="output folders of recipes/large_vocab.py runs")
+    p.add_argument("--out", default="bench-out", help="folder for the JSON, Markdown and PNG files")
+    p.add_argument("--no_plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    args = p.parse_args(argv)
+    runs = [load_run(d) for d in args.runs]
+    by_v: dict[int, list[dict]] = {}
+    for r in runs:
+        by_v.setdefault(r["vocab_size"], []).append(r)
+    payload, sections = {"runs": runs, "summary": {}}, [f"# {NAME}"]
+    for v, group in sorted(by_v.items()):
+        rows = summarize(group)
+        payload["summary"][str(v)] = rows
+        sections.append(markdown(v, rows, group[0]["optimum"]))
+        if not args.no_plots:
+            plot(v, group, Path(args.out))
+    common.write_outputs(args.out, NAME, payload, "\n\n".join(sections))
+    print("\n\n".join(sections))
+    return payload
+
+
+if __name__ == "__main__":
+    main()
