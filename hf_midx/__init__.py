@@ -17,7 +17,7 @@ from .index import MidxIndex
 from .loss import full_softmax_loss, sampled_softmax_loss
 from .rng import CounterRNG
 from .samplers import SAMPLERS, Sampler, build_sampler, kl_to_softmax
-from .version import __version__
+from .version import __version__, versions
 from .wrap import unwrap, wrap
 
 # Public names of the transformers layer -> the module that defines them.
@@ -62,5 +62,6 @@ __all__ = [
     "sampled_softmax_loss",
     "token_counts",
     "unwrap",
+    "versions",
     "wrap",
 ]

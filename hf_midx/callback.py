@@ -166,6 +166,21 @@ def refresh_index(model: nn.Module, *, codebooks: tuple[torch.Tensor, torch.Tens
     return _refresh_head(head, codebooks)
 
 
+def refuse_data_parallel(args) -> None:
+    """ValueError when one process sees several GPUs (``args.n_gpu > 1``) without a distributed launch.
+
+    The Trainer would then wrap the model in ``torch.nn.DataParallel``, whose replicas share neither the
+    head's sampler nor its per-step data; one process per GPU (DDP) is the supported way.
+    """
+    n_gpu = getattr(args, "n_gpu", 1)
+    if n_gpu > 1:
+        raise ValueError(
+            f"This single process sees {n_gpu} GPUs, so the Trainer would use torch.nn.DataParallel, which the MIDX "
+            f"head does not support. Launch one process per GPU (`accelerate launch --multi_gpu --num_processes "
+            f"{n_gpu} ...` or `torchrun --nproc_per_node {n_gpu} ...`), or use one GPU (CUDA_VISIBLE_DEVICES=0)."
+        )
+
+
 # ---------------------------------------------------------------------------------------- the callback
 class MidxCallback(TrainerCallback):
     """The MIDX schedule (refresh, learned codebooks, logging, checkpoints, NaN checks) as a ``TrainerCallback``.
@@ -213,7 +228,11 @@ class MidxCallback(TrainerCallback):
         Args:
             trainer: a ``transformers.Trainer`` (or subclass: TRL's SFTTrainer, MidxTrainer).
             resume_from_checkpoint: as the constructor's argument.
+        Raises:
+            ValueError: this process sees several GPUs without a distributed launch (``args.n_gpu > 1``):
+                the Trainer would use ``torch.nn.DataParallel``, which the MIDX head does not support.
         """
+        refuse_data_parallel(trainer.args)
         handler = trainer.callback_handler
         callback = next((cb for cb in handler.callbacks if isinstance(cb, cls)), None) or cls()
         if resume_from_checkpoint is not None:
@@ -235,6 +254,7 @@ class MidxCallback(TrainerCallback):
                 "MidxCallback needs a model whose LM head is a MidxLMHead: call hf_midx.wrap(model, ...) before "
                 "creating the Trainer (for model_init, wrap the model inside it)."
             )
+        refuse_data_parallel(args)
         if args.label_smoothing_factor:
             raise ValueError(
                 "MIDX training cannot use label_smoothing_factor: the Trainer's label smoother needs the full logits, "

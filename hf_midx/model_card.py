@@ -22,7 +22,7 @@ from typing import Any
 
 from ._io import atomic_write
 from .config import EXACT_HEAD_FRACTION, MidxConfig
-from .version import __version__
+from .version import __version__, versions
 
 
 def _template_path() -> Path:
@@ -148,22 +148,6 @@ def midx_training_facts(
     }
 
 
-def _versions() -> dict[str, str]:
-    import huggingface_hub
-    import torch
-    import transformers
-
-    versions = {"hf-midx": __version__, "Transformers": transformers.__version__, "Pytorch": torch.__version__}
-    try:
-        import accelerate
-
-        versions["Accelerate"] = accelerate.__version__
-    except ImportError:  # accelerate is a dependency of Trainer, but the card does not need it
-        pass
-    versions["huggingface_hub"] = huggingface_hub.__version__
-    return versions
-
-
 def _dataset_name(metadata: Mapping[str, Any]) -> str | None:
     """The dataset a card's metadata names: a model-index result's dataset, else the first Hub dataset id."""
     for entry in metadata.get("model-index") or []:
@@ -214,6 +198,7 @@ def render_model_card(
     eval_results: Sequence[Any] | None = None,
     throughput: Mapping[str, Any] | None = None,
     command: str | None = None,
+    sections: Sequence[str] = (),
 ):
     """Render the MIDX model card.
 
@@ -238,6 +223,8 @@ def render_model_card(
         throughput: label -> value lines shown instead of the throughput the Trainer logged (e.g. one
             tokens/s figure measured without the evaluations).
         command: the command that trained the model (launcher included), shown in the card.
+        sections: Markdown sections appended to the card (e.g. a script's final results), see
+            :func:`extend_model_card`.
     Returns:
         a ``huggingface_hub.ModelCard``; ``card.save(path)`` writes it.
     """
@@ -269,7 +256,7 @@ def render_model_card(
     if meta.get("model-index") and not any(entry.get("results") for entry in meta["model-index"]):
         meta.pop("model-index")  # a name without results is rejected by the Hub's metadata check
     card_data = ModelCardData(ignore_metadata_errors=True, **meta)
-    return ModelCard.from_template(
+    card = ModelCard.from_template(
         card_data,
         template_path=str(template_path or TEMPLATE_PATH),
         model_name=model_name,
@@ -279,9 +266,34 @@ def render_model_card(
         midx=facts,
         hyperparameters=dict(hyperparameters or {}),
         eval_table=eval_table or "",
-        versions=_versions(),
+        versions=versions(),
         hf_midx_version=__version__,
     )
+    return extend_model_card(card, sections=sections)
+
+
+def extend_model_card(card, *, eval_results: Sequence[Any] | None = None, sections: Sequence[str] = ()):
+    """Add model-index results and Markdown sections to a ``huggingface_hub.ModelCard`` (in place); returns it.
+
+    Works on any card: the MIDX one, or the card a plain ``Trainer`` wrote (``ModelCard.load(path)``), e.g.
+    a full-softmax baseline's, so that both report their results the same way.
+
+    Args:
+        card: the ``huggingface_hub.ModelCard``.
+        eval_results: ``huggingface_hub.EvalResult`` entries; they replace the card's model-index, and
+            their metric types join its ``metrics``.
+        sections: Markdown text appended to the card, each after a blank line.
+    """
+    if isinstance(sections, str):
+        raise ValueError("sections must be a list of Markdown strings, not one string.")
+    if eval_results:
+        card.data.eval_results = list(eval_results)
+        card.data.model_name = card.data.model_name or "model"  # the model-index needs a name
+        metrics = [*(card.data.metrics or []), *(r.metric_type for r in eval_results)]
+        card.data.metrics = list(dict.fromkeys(metrics))
+    for section in sections:
+        card.text = card.text.rstrip("\n") + "\n\n" + section.strip("\n") + "\n"
+    return card
 
 
 def save_model_card(card, directory: str | os.PathLike, filename: str = "README.md") -> str:

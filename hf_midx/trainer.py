@@ -11,7 +11,8 @@ checks) is :class:`~hf_midx.MidxCallback`, which works with any Trainer; checkpo
 * ``train_tokens_per_second`` in the final metrics, counted on the device (no sync per micro-batch);
 * the MIDX sampler state written by ``save_model`` into a checkpoint folder, before the Trainer's
   optimizer and state files (so a checkpoint pushed to the Hub holds it), and a MIDX model card plus
-  ``midx_config.json`` from ``save_model`` / ``push_to_hub``.
+  ``midx_config.json`` from ``save_model`` / ``push_to_hub``, with what :attr:`MidxTrainer.model_card_extras`
+  adds (a script's final results: model-index entries, Markdown sections).
 
 Only public Trainer methods are overridden. The token count of the gradient-accumulation
 normalization over ``labels[..., 1:]`` comes from the wrapped model's ``loss_type``
@@ -23,13 +24,14 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from typing import Any
 
 import torch
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from . import model_card as _model_card
-from .callback import MidxCallback, MidxNonFiniteError
+from .callback import MidxCallback, MidxNonFiniteError, refuse_data_parallel
 from .codebooks import LearnableCodebooks
 from .config import MidxConfig
 from .head import MidxLMHead, find_head
@@ -70,14 +72,20 @@ class MidxTrainer(PerplexityMixin, Trainer):
     Takes every argument ``Trainer`` takes and installs a :class:`~hf_midx.MidxCallback` (the one in
     ``callbacks``, if any). The MIDX options come from the head's :class:`~hf_midx.MidxConfig`.
 
+    ``model_card_extras`` (empty): more :func:`~hf_midx.model_card.render_model_card` arguments for every card
+    it writes (:data:`CARD_EXTRAS`: a script's final results, as ``eval_results`` and Markdown ``sections``).
+
     Raises:
-        ValueError: the model has no MIDX head, or an option needs the full logits during training
-            (``label_smoothing_factor``, ``compute_loss_func``).
+        ValueError: no MIDX head; an option that needs the full logits (``label_smoothing_factor``,
+            ``compute_loss_func``); one process on several GPUs (DataParallel, see ``MidxCallback.install``).
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, model=None, args=None, *more, **kwargs) -> None:
+        if args is not None:
+            refuse_data_parallel(args)  # before the Trainer creates output_dir
         self._midx_tokens: torch.Tensor | None = None  # tokens this process trained on in this train() call
-        super().__init__(*args, **kwargs)
+        self.model_card_extras: dict[str, Any] = {}
+        super().__init__(model, args, *more, **kwargs)
         for option, value in (("label_smoothing_factor", self.args.label_smoothing_factor),
                               ("compute_loss_func", self.compute_loss_func)):
             if value:
@@ -182,19 +190,32 @@ class MidxTrainer(PerplexityMixin, Trainer):
         return head
 
 
+#: The render_model_card arguments that MidxTrainer.model_card_extras may set.
+CARD_EXTRAS = ("eval_results", "sections", "throughput", "command", "dataset_name")
+
+
 def write_model_card(trainer: MidxTrainer, output_dir: str, **card_args) -> str:
-    """Write a MidxTrainer's model card into ``output_dir/README.md``; returns its path.
+    """Write a MidxTrainer's model card into ``output_dir/README.md`` (atomically); returns its path.
 
     Args:
-        trainer: the trainer whose run the card describes.
+        trainer: the trainer whose run the card describes; its ``model_card_extras`` go into the card.
         output_dir: the folder to write to.
         **card_args: the keyword arguments of ``Trainer.create_model_card`` (``language``, ``license``,
             ``tags``, ``model_name``, ``finetuned_from``, ``tasks``, ``dataset_tags``, ``dataset``,
             ``dataset_args``); the card holds transformers' metadata and hyperparameters plus the MIDX
-            training facts (see :func:`hf_midx.model_card.render_model_card`).
+            training facts (see :func:`hf_midx.model_card.render_model_card`). ``dataset`` names the data
+            in the text.
+    Raises:
+        ValueError: ``model_card_extras`` holds a key other than :data:`CARD_EXTRAS`.
     """
     from transformers.modelcard import TrainingSummary, make_markdown_table
 
+    extras = dict(getattr(trainer, "model_card_extras", None) or {})
+    unknown = sorted(set(extras) - set(CARD_EXTRAS))
+    if unknown:
+        raise ValueError(f"model_card_extras has unknown keys {unknown}; allowed: {', '.join(CARD_EXTRAS)}.")
+    if isinstance(card_args.get("dataset"), str):
+        extras.setdefault("dataset_name", card_args["dataset"])
     tags = card_args.pop("tags", None)
     tags = [tags] if isinstance(tags, str) else list(tags or [])
     summary = TrainingSummary.from_trainer(trainer, tags=tags, **card_args)
@@ -215,6 +236,7 @@ def write_model_card(trainer: MidxTrainer, output_dir: str, **card_args) -> str:
         eval_table=make_markdown_table(summary.eval_lines),
         log_history=trainer.state.log_history,
         num_classes=trainer.midx_head.num_classes,
+        **extras,
     )
     return _model_card.save_model_card(card, output_dir)
 

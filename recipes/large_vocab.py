@@ -18,38 +18,21 @@ run (V = 100,000, 300 steps) takes a few minutes on a CPU.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-if not __package__:  # run as a file (python, torchrun or accelerate launch recipes/large_vocab.py)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `recipes` is a package
-
 from hf_midx import token_counts
-from recipes.lm_data import TokenBlocks, word_level_decoder
-from recipes.lm_recipe import (
-    ModelArguments,
-    OutputArguments,
-    PreparedData,
-    RecipeError,
-    check_model_arguments,
-    check_output_and_resume,
-    check_push,
-    check_reporting,
-    logger,
-    midx_arguments,
-    midx_config_from,
-    parse_arguments,
-    recipe_training_defaults,
-    run,
-    setup_logging,
-    train_and_report,
-)
-from recipes.synthetic import ZipfMarkovChain
+
+if __package__:  # python -m recipes.large_vocab, or imported (the tests, the benchmarks)
+    from . import lm_args, lm_data, lm_recipe, synthetic
+else:  # python / torchrun / accelerate launch recipes/large_vocab.py: this folder is first on sys.path
+    import lm_args
+    import lm_data
+    import lm_recipe
+    import synthetic
 
 
 @dataclass
@@ -77,30 +60,35 @@ def word_tokenizer(vocab_size: int):
 
     backend = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = word_level_decoder()
+    backend.decoder = lm_data.word_level_decoder()
     return PreTrainedTokenizerFast(tokenizer_object=backend)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     started = time.perf_counter()
-    MidxArguments = midx_arguments(refresh_every_steps=100)
-    defaults = {**recipe_training_defaults("runs/large_vocab"), "max_steps": 300}
-    model_args, syn, midx_args, output_args, training_args = parse_arguments(
-        [ModelArguments, SyntheticArguments, MidxArguments, OutputArguments], defaults, argv, doc=__doc__
+    MidxArguments = lm_args.midx_arguments(refresh_every_steps=100)
+    defaults = {**lm_args.recipe_training_defaults("runs/large_vocab"), "max_steps": 300}
+    model_args, syn, midx_args, output_args, training_args = lm_args.parse_arguments(
+        [lm_recipe.ModelArguments, SyntheticArguments, MidxArguments, lm_args.OutputArguments],
+        defaults,
+        argv,
+        doc=__doc__,
     )
-    setup_logging(training_args)
-    check_model_arguments(model_args)
+    lm_args.setup_logging(training_args)
+    lm_args.check_model_arguments(model_args)
     for name in ("seq_len", "train_tokens", "eval_tokens"):
         if getattr(syn, name) < 1:
-            raise RecipeError(f"--{name} must be >= 1, got {getattr(syn, name)}.")
+            raise lm_args.RecipeError(f"--{name} must be >= 1, got {getattr(syn, name)}.")
     try:
-        chain = ZipfMarkovChain(syn.vocab_size, syn.zipf_exponent, syn.num_clusters, syn.successors, syn.corpus_seed)
+        chain = synthetic.ZipfMarkovChain(
+            syn.vocab_size, syn.zipf_exponent, syn.num_clusters, syn.successors, syn.corpus_seed
+        )
     except ValueError as err:
-        raise RecipeError(str(err)) from None
-    midx_config = midx_config_from(midx_args, training_args.seed)
-    resume = check_output_and_resume(training_args, overwrite=output_args.overwrite_output_dir)
-    check_push(training_args)
-    check_reporting(training_args)
+        raise lm_args.RecipeError(str(err)) from None
+    midx_config = lm_args.midx_config_from(midx_args, training_args.seed)
+    resume = lm_args.check_output_and_resume(training_args, overwrite=output_args.overwrite_output_dir)
+    lm_args.check_push(training_args)
+    lm_args.check_reporting(training_args)
 
     length = syn.seq_len + 1
     splits = {}
@@ -108,11 +96,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         (("train", syn.train_tokens), ("valid", syn.eval_tokens), ("test", syn.eval_tokens))
     ):
         blocks = chain.sample_blocks(math.ceil(tokens / syn.seq_len), length, seed=[syn.corpus_seed, i])
-        splits[name] = TokenBlocks(torch.from_numpy(blocks))
+        splits[name] = lm_data.TokenBlocks(torch.from_numpy(blocks))
     entropy_rate = chain.entropy_rate()
     oracle_nll = float(-chain.log_prob(splits["test"].data.numpy()).mean())
     counts = token_counts(splits["train"].data, syn.vocab_size)
-    synthetic = {
+    facts = {
         "vocab_size": syn.vocab_size,
         "zipf_exponent": syn.zipf_exponent,
         "num_clusters": chain.num_clusters,
@@ -124,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "unigram_perplexity": math.exp(chain.unigram_entropy()),
         "distinct_train_words": int((counts > 0).sum()),
     }
-    data = PreparedData(
+    data = lm_recipe.PreparedData(
         train=splits["train"],
         valid=splits["valid"],
         test=splits["test"],
@@ -139,9 +127,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "dataset": f"synthetic Zipf-Markov corpus, V={syn.vocab_size}",
             "tags": ["synthetic", "large-vocabulary"],
         },
-        extra={"synthetic": synthetic, "optimal_perplexity": math.exp(entropy_rate)},
+        extra={"synthetic": facts, "optimal_perplexity": math.exp(entropy_rate)},
     )
-    results = train_and_report(
+    results = lm_recipe.train_and_report(
         "large_vocab",
         model_args,
         midx_config,
@@ -154,16 +142,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
         argv=argv,
     )
     if training_args.process_index == 0:
-        logger.info(
+        lm_recipe.logger.info(
             "large_vocab: optimal (entropy-rate) perplexity %.3f, true chain on the test blocks %.3f, achieved test "
             "perplexity %.3f, best context-free (unigram) %.1f",
-            synthetic["entropy_rate_perplexity"],
-            synthetic["oracle_test_perplexity"],
+            facts["entropy_rate_perplexity"],
+            facts["oracle_test_perplexity"],
             results["test_perplexity"],
-            synthetic["unigram_perplexity"],
+            facts["unigram_perplexity"],
         )
     return results
 
 
 if __name__ == "__main__":
-    run(main)
+    lm_recipe.run(main)

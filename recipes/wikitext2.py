@@ -19,38 +19,19 @@ written to --output_dir. Every TrainingArguments flag works. Also runs as ``pyth
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if not __package__:  # run as a file (python, torchrun or accelerate launch recipes/wikitext2.py)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `recipes` is a package
-
 from hf_midx import token_counts
-from recipes.lm_data import TokenBlocks, build_word_level_tokenizer, encode_lines, read_lines
-from recipes.lm_recipe import (
-    ModelArguments,
-    OutputArguments,
-    PreparedData,
-    RecipeError,
-    check_blocks,
-    check_hub_source,
-    check_model_arguments,
-    check_output_and_resume,
-    check_push,
-    check_reporting,
-    hub_unreachable,
-    logger,
-    midx_arguments,
-    midx_config_from,
-    parse_arguments,
-    recipe_training_defaults,
-    run,
-    setup_logging,
-    train_and_report,
-)
+
+if __package__:  # python -m recipes.wikitext2, or imported (the tests, the benchmarks)
+    from . import lm_args, lm_data, lm_recipe
+else:  # python / torchrun / accelerate launch recipes/wikitext2.py: this folder is first on sys.path
+    import lm_args
+    import lm_data
+    import lm_recipe
 
 SAMPLE_DIR = Path(__file__).resolve().parent / "data" / "wikitext2_sample"
 SAMPLE_NAME = "recipes/data/wikitext2_sample"  # as messages show it: no path of this machine
@@ -99,13 +80,13 @@ def load_splits(data_args: DataArguments, is_main: bool) -> tuple[dict[str, list
     files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
     if any(files.values()):
         if not files["train"] or not files["validation"]:
-            raise RecipeError("local data needs both --train_file and --validation_file (--test_file is optional).")
-        splits = {name: read_lines(path, what=f"--{name}_file") for name, path in files.items() if path}
+            raise lm_args.RecipeError("local data needs --train_file and --validation_file (--test_file is optional).")
+        splits = {name: lm_data.read_lines(path, what=f"--{name}_file") for name, path in files.items() if path}
         names = " / ".join(Path(path).name for path in files.values() if path)
         card = {"dataset": f"local text files ({names})", "tags": ["word-level"]}
         return splits, "local files " + ", ".join(f"{k}={v}" for k, v in files.items() if v), card
 
-    reason = hub_unreachable()
+    reason = lm_args.hub_unreachable()
     if reason is None:
         try:
             import datasets
@@ -113,7 +94,7 @@ def load_splits(data_args: DataArguments, is_main: bool) -> tuple[dict[str, list
             raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
             splits = {name: [t.rstrip("\n") for t in raw[name]["text"]] for name in SPLITS if name in raw}
             if "train" not in splits or "validation" not in splits:
-                raise RecipeError(f"{data_args.dataset_name} has no train and validation splits.")
+                raise lm_args.RecipeError(f"{data_args.dataset_name} has no train and validation splits.")
             card = {
                 "dataset_tags": data_args.dataset_name,
                 "dataset": "WikiText-2" if data_args.dataset_name == HUB_DATASET else data_args.dataset_name,
@@ -121,16 +102,16 @@ def load_splits(data_args: DataArguments, is_main: bool) -> tuple[dict[str, list
                 "tags": ["wikitext-2", "word-level"],
             }
             return splits, f"{data_args.dataset_name} ({data_args.dataset_config_name}) from the Hub", card
-        except RecipeError:
+        except lm_args.RecipeError:
             raise
         except Exception as err:  # offline, unreachable, not cached, ...
             reason = f"{type(err).__name__}: {err}"
     if (data_args.dataset_name, data_args.dataset_config_name) != (HUB_DATASET, HUB_CONFIG):
-        raise RecipeError(f"cannot load {data_args.dataset_name} ({data_args.dataset_config_name}): {reason}")
+        raise lm_args.RecipeError(f"cannot load {data_args.dataset_name} ({data_args.dataset_config_name}): {reason}")
     sample = {"train": "train.txt", "validation": "valid.txt", "test": "test.txt"}
-    splits = {name: read_lines(SAMPLE_DIR / file, what="shipped sample file") for name, file in sample.items()}
+    splits = {name: lm_data.read_lines(SAMPLE_DIR / file, what="shipped sample file") for name, file in sample.items()}
     if is_main:
-        logger.warning(
+        lm_recipe.logger.warning(
             "Could not load %s (%s) from the Hugging Face Hub (%s); training on the small WikiText-2 sample shipped in "
             "%s instead (%s lines; not comparable with published results).",
             HUB_DATASET,
@@ -143,41 +124,41 @@ def load_splits(data_args: DataArguments, is_main: bool) -> tuple[dict[str, list
     return splits, "the WikiText-2 sample shipped in recipes/data/wikitext2_sample (Hub unreachable)", card
 
 
-def load_tokenizer(data_args: DataArguments, model_args: ModelArguments, train_lines: Sequence[str]):
+def load_tokenizer(data_args: DataArguments, model_args: lm_recipe.ModelArguments, train_lines: Sequence[str]):
     """The given tokenizer (--tokenizer_name, else --model_name_or_path's), or a new word-level one."""
     source = data_args.tokenizer_name or model_args.model_name_or_path
     if not source:
-        return build_word_level_tokenizer(train_lines)
+        return lm_data.build_word_level_tokenizer(train_lines)
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
-        raise RecipeError(f"cannot load a tokenizer from {source!r}: {' '.join(str(err).split())}") from None
+        raise lm_args.RecipeError(f"cannot load a tokenizer from {source!r}: {' '.join(str(err).split())}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     started = time.perf_counter()
-    MidxArguments = midx_arguments(**MIDX_DEFAULTS)
-    model_args, data_args, midx_args, output_args, training_args = parse_arguments(
-        [ModelArguments, DataArguments, MidxArguments, OutputArguments],
-        recipe_training_defaults("runs/wikitext2"),
+    MidxArguments = lm_args.midx_arguments(**MIDX_DEFAULTS)
+    model_args, data_args, midx_args, output_args, training_args = lm_args.parse_arguments(
+        [lm_recipe.ModelArguments, DataArguments, MidxArguments, lm_args.OutputArguments],
+        lm_args.recipe_training_defaults("runs/wikitext2"),
         argv,
         doc=__doc__,
     )
-    setup_logging(training_args)
-    check_model_arguments(model_args)
-    check_hub_source(data_args.tokenizer_name, "--tokenizer_name")
+    lm_args.setup_logging(training_args)
+    lm_args.check_model_arguments(model_args)
+    lm_args.check_hub_source(data_args.tokenizer_name, "--tokenizer_name")
     if data_args.seq_len < 1:
-        raise RecipeError(f"--seq_len must be >= 1, got {data_args.seq_len}.")
+        raise lm_args.RecipeError(f"--seq_len must be >= 1, got {data_args.seq_len}.")
     for name in ("max_train_samples", "max_eval_samples"):
         value = getattr(data_args, name)
         if value is not None and value < 1:
-            raise RecipeError(f"--{name} must be >= 1, got {value}.")
-    midx_config = midx_config_from(midx_args, training_args.seed)
-    resume = check_output_and_resume(training_args, overwrite=output_args.overwrite_output_dir)
-    check_push(training_args)
-    check_reporting(training_args)
+            raise lm_args.RecipeError(f"--{name} must be >= 1, got {value}.")
+    midx_config = lm_args.midx_config_from(midx_args, training_args.seed)
+    resume = lm_args.check_output_and_resume(training_args, overwrite=output_args.overwrite_output_dir)
+    lm_args.check_push(training_args)
+    lm_args.check_reporting(training_args)
 
     with training_args.main_process_first(desc="loading the data"):
         splits, description, card = load_splits(data_args, is_main=training_args.process_index == 0)
@@ -186,12 +167,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     blocks = {}
     streams = {}
     for name, lines in splits.items():
-        stream = streams[name] = encode_lines(tokenizer, lines)
+        stream = streams[name] = lm_data.encode_lines(tokenizer, lines)
         limit = data_args.max_train_samples if name == "train" else data_args.max_eval_samples
-        blocks[name] = TokenBlocks.from_stream(stream, seq_len, limit=limit)
-        check_blocks(name, blocks[name], stream.numel())
+        blocks[name] = lm_data.TokenBlocks.from_stream(stream, seq_len, limit=limit)
+        lm_recipe.check_blocks(name, blocks[name], stream.numel())
     vocab_size = len(tokenizer)
-    data = PreparedData(
+    data = lm_recipe.PreparedData(
         train=blocks["train"],
         valid=blocks["validation"],
         test=blocks.get("test"),
@@ -202,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         description=description,
         card=card,
     )
-    return train_and_report(
+    return lm_recipe.train_and_report(
         "wikitext2",
         model_args,
         midx_config,
@@ -217,4 +198,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    run(main)
+    lm_recipe.run(main)

@@ -111,6 +111,30 @@ def test_label_smoothing_is_refused(tmp_path):
         trainer.train()
 
 
+def test_one_process_on_several_gpus_is_refused(tmp_path, monkeypatch):
+    """n_gpu > 1 without a distributed launch means torch.nn.DataParallel: refused by MidxTrainer (before it
+    creates output_dir), by install() and at train start, with the launch that works.
+
+    (Trainer.train itself cannot run with a faked n_gpu on a CPU, so the event is called directly.)"""
+    from transformers import TrainingArguments
+
+    from hf_midx import MidxTrainer
+
+    model = hf_midx.wrap(tiny_model("gpt2", vocab_size=VOCAB), num_samples=32, codebook_size=8, verify=False)
+    args = training_args(tmp_path / "out", max_steps=2)
+    callback = MidxCallback()
+    plain = Trainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(16)), callbacks=[callback])
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
+    message = r"DataParallel.*--num_processes 2"
+    with pytest.raises(ValueError, match=message):
+        MidxTrainer(model=model, args=training_args(tmp_path / "never", max_steps=2))
+    assert not (tmp_path / "never").exists()
+    with pytest.raises(ValueError, match=message):
+        MidxCallback.install(plain)
+    with pytest.raises(ValueError, match=message):  # passed in callbacks=: at train start
+        callback.on_train_begin(plain.args, plain.state, plain.control, model=model)
+
+
 @pytest.mark.parametrize(
     ("sampler", "every_steps", "epochs", "warns"),
     [

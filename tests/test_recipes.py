@@ -185,7 +185,7 @@ def test_midx_arguments_mirror_midx_config():
     import dataclasses
 
     from hf_midx import MidxConfig
-    from recipes.lm_recipe import FULL, RecipeError, midx_arguments, midx_config_from
+    from recipes.lm_args import FULL, RecipeError, midx_arguments, midx_config_from
 
     cls = midx_arguments(num_samples=20, codebook_size=32)
     mine = {f.name: f for f in dataclasses.fields(cls)}
@@ -212,7 +212,8 @@ def test_midx_arguments_mirror_midx_config():
 
 
 def test_parse_arguments_recipe_defaults_and_one_line_errors(tmp_path):
-    from recipes.lm_recipe import ModelArguments, RecipeError, midx_arguments, parse_arguments, recipe_training_defaults
+    from recipes.lm_args import RecipeError, midx_arguments, parse_arguments, recipe_training_defaults
+    from recipes.lm_recipe import ModelArguments
 
     types = [ModelArguments, midx_arguments()]
     defaults = recipe_training_defaults(str(tmp_path / "default_out"))
@@ -461,7 +462,7 @@ def test_ctrl_c_stops_with_one_line_naming_the_last_checkpoint(corpus, tmp_path)
 
 
 def test_launch_command_names_the_launcher_without_machine_paths(tmp_path):
-    from recipes.lm_recipe import launch_command
+    from recipes.lm_report import launch_command
 
     argv = ["--output_dir", str(tmp_path / "run"), f"--train_file={tmp_path}/train.txt", "--hub_token", "secret"]
     outside = ["--output_dir", "run", "--train_file=train.txt"]
@@ -483,33 +484,58 @@ def test_launch_command_names_the_launcher_without_machine_paths(tmp_path):
     )
 
 
-def test_recipes_import_each_other_as_a_package(tmp_path):
-    """No recipe or benchmark imports a sibling by bare name; a recipe runs as a file from any folder."""
+def _sibling_imports(path: Path, siblings: set[str]) -> None:
+    """A recipe imports a sibling by bare name only under ``else:`` of ``if __package__:``, whose ``if`` branch
+    imports the same siblings relatively; it never edits sys.path."""
     import ast
 
-    bare = {p.stem for p in RECIPES.glob("*.py")} | {p.stem for p in (RECIPES / "benchmarks").glob("*.py")}
-    for path in [*RECIPES.glob("*.py"), *(RECIPES / "benchmarks").glob("*.py")]:
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                names = [node.module]
-            assert not set(names) & bare, f"{path.name} imports {names} by bare name"
-    env = {k: v for k, v in recipe_env().items() if k != "PYTHONPATH"}
-    result = subprocess.run(
-        [sys.executable, str(RECIPES / "large_vocab.py"), "--help"], check=False, cwd=tmp_path, env=env,
-        capture_output=True,
-        text=True, timeout=300,
-    )  # fmt: skip
-    check_ok(result)
-    assert "--overwrite_output_dir" in result.stdout
+    def names(nodes, relative: bool) -> set[str]:
+        found = set()
+        for node in nodes:
+            if isinstance(node, ast.Import) and not relative:
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.level == 1) == relative:
+                found |= {node.module} if node.module else {alias.name for alias in node.names}
+        return found & siblings
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    guarded = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "__package__":
+            relative, bare = names(node.body, relative=True), names(node.orelse, relative=False)
+            assert relative == bare and bare, f"{path.name}: {sorted(relative)} relatively, {sorted(bare)} by name"
+            guarded |= {id(n) for n in node.orelse}
+    unguarded = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in guarded]
+    assert not names(unguarded, relative=False), f"{path.name} imports a sibling by bare name outside the guard"
+    uses_path = any(
+        isinstance(n, ast.Attribute) and n.attr == "path" and isinstance(n.value, ast.Name) and n.value.id == "sys"
+        for n in ast.walk(tree)
+    )
+    assert not uses_path, f"{path.name} edits sys.path"
+
+
+def test_recipes_import_siblings_as_a_file_and_as_a_package(tmp_path):
+    """No sys.path edit: a recipe runs as a file from any folder (its folder is sys.path[0]) and as a module."""
+    siblings = {p.stem for p in RECIPES.glob("*.py")}
+    for path in RECIPES.glob("*.py"):
+        _sibling_imports(path, siblings)
+    # Only this checkout's hf_midx on the path, not the repository root: the recipe finds its siblings itself.
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "hf_midx").symlink_to(REPO / "hf_midx")
+    env = recipe_env(PYTHONPATH=str(tmp_path / "lib"))
+    for command, cwd in (([str(RECIPES / "large_vocab.py")], tmp_path), (["-m", "recipes.wikitext2"], REPO)):
+        result = subprocess.run(
+            [sys.executable, *command, "--help"], check=False, cwd=cwd, env=env, capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+        check_ok(result)
+        assert "--overwrite_output_dir" in result.stdout
 
 
 def test_output_dir_with_checkpoints_needs_resume_or_overwrite(tmp_path):
     from transformers import TrainingArguments
 
-    from recipes.lm_recipe import RecipeError, check_output_and_resume
+    from recipes.lm_args import RecipeError, check_output_and_resume
 
     out = tmp_path / "unfinished"
     (out / "checkpoint-4").mkdir(parents=True)
@@ -528,7 +554,8 @@ def test_run_destroys_the_process_group_before_exit(outcome, tmp_path):
     """A launched recipe leaves no process group to interpreter exit (gloo threads abort finalization)."""
     import torch.distributed as dist
 
-    from recipes.lm_recipe import RecipeError, run
+    from recipes.lm_args import RecipeError
+    from recipes.lm_recipe import run
 
     def main(argv):
         assert dist.is_initialized()
@@ -552,7 +579,7 @@ def test_run_destroys_the_process_group_before_exit(outcome, tmp_path):
 def test_hub_model_offline_and_not_cached_fails_at_once(monkeypatch, tmp_path):
     from huggingface_hub import constants
 
-    from recipes.lm_recipe import RecipeError, check_hub_source
+    from recipes.lm_args import RecipeError, check_hub_source
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(RecipeError, match="not in the Hugging Face cache, and HF_HUB_OFFLINE is set"):
@@ -633,7 +660,7 @@ def test_help_is_short_and_abbreviations_are_errors():
 def test_report_to_tensorboard_without_it_is_one_line(monkeypatch):
     import transformers.integrations
 
-    from recipes.lm_recipe import RecipeError, check_reporting
+    from recipes.lm_args import RecipeError, check_reporting
 
     monkeypatch.setattr(transformers.integrations, "is_tensorboard_available", lambda: False)
     args = type("Args", (), {"report_to": ["tensorboard"]})()

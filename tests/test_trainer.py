@@ -365,6 +365,33 @@ def test_push_to_hub_uploads_model_and_card(tmp_path, monkeypatch):
     assert "fine-tuned version of [openai-community/gpt2]" in calls["card"]
 
 
+def test_model_card_extras_add_results_and_sections(tmp_path):
+    """A script's final results go into every card the trainer writes (save_model, push_to_hub's)."""
+    from huggingface_hub import EvalResult
+
+    import hf_midx
+
+    model = wrapped_model()
+    args = training_args(tmp_path / "run", max_steps=2)
+    trainer = MidxTrainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(16)))
+    trainer.train()
+    result = EvalResult(
+        task_type="text-generation", dataset_type="markov", dataset_name="Markov chain", dataset_split="test",
+        metric_type="perplexity", metric_value=12.5,
+    )  # fmt: skip
+    trainer.model_card_extras = {"eval_results": [result], "sections": ["## Results of my script\n\nall good"]}
+    trainer.create_model_card(model_name="tiny", dataset="Markov chain")
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert card.rstrip().endswith("## Results of my script\n\nall good")
+    assert "value: 12.5" in card and "name: Markov chain" in card and "- perplexity" in card
+    assert "on Markov chain." in card  # the dataset named in the text
+    for name, version in hf_midx.versions().items():
+        assert f"- {name} {version}" in card  # the framework versions, as results files list them
+    trainer.model_card_extras = {"section": "typo"}
+    with pytest.raises(ValueError, match="unknown keys \\['section'\\]"):
+        trainer.create_model_card()
+
+
 # ------------------------------------------------------------------------------------- errors
 def test_requires_a_wrapped_model(tmp_path):
     with pytest.raises(ValueError, match=r"hf_midx\.wrap\(model, \.\.\.\) first"):

@@ -1,0 +1,408 @@
+"""The recipes' command line: flags, ``--help``, defaults, logging, and the checks made before anything is written.
+
+A recipe parses its dataclasses plus a :func:`midx_arguments` class, :class:`OutputArguments` and
+``TrainingArguments`` with :func:`parse_arguments`, turns the MIDX flags into a :class:`hf_midx.MidxConfig`
+with :func:`midx_config_from`, and checks ``--output_dir`` / ``--resume_from_checkpoint``, ``--push_to_hub``
+and ``--report_to`` before it reads any data. Every problem is a :class:`RecipeError` with a one-line
+message (``lm_recipe.run`` prints it and exits with status 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import typing
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: ``--sampler full`` trains without sampling (the plain Trainer and full softmax): the baseline.
+FULL = "full"
+
+#: The file a finished run writes last (see ``lm_recipe.train_and_report``).
+RESULTS_NAME = "results.json"
+
+
+class RecipeError(Exception):
+    """A problem with the user's input; reported as one line on stderr (no traceback), exit status 2."""
+
+
+@dataclass
+class OutputArguments:
+    """What to do with an earlier run in --output_dir."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start over in an --output_dir that holds an earlier run: its results.json and checkpoint-* "
+            "folders are removed when training starts, the other files are replaced. Without it such a directory is "
+            "refused, unless --resume_from_checkpoint continues the run."
+        },
+    )
+
+
+def midx_arguments(**defaults: Any) -> type:
+    """A ``MidxArguments`` dataclass for the command line, made from :class:`hf_midx.MidxConfig`'s fields.
+
+    Same names, types and help as ``MidxConfig`` (one place per fact), with these changes: ``defaults``
+    replace some defaults (the recipes use the paper's); ``--sampler`` also accepts ``full``; dict
+    fields (``sampler_options``) are given as JSON; fields that ``TrainingArguments`` also has
+    (``seed``) are left out and taken from it by :func:`midx_config_from`.
+    """
+    from transformers import TrainingArguments
+
+    from hf_midx import MidxConfig
+
+    hints = typing.get_type_hints(MidxConfig)
+    taken = {f.name for f in dataclasses.fields(TrainingArguments)}
+    unknown = sorted(set(defaults) - {f.name for f in dataclasses.fields(MidxConfig)})
+    if unknown:
+        raise ValueError(f"midx_arguments got defaults for unknown MidxConfig fields {unknown}.")
+    specs = []
+    for f in dataclasses.fields(MidxConfig):
+        if f.name in taken:
+            continue
+        kind = hints[f.name]
+        help_text = f.metadata.get("help", "")
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = f.default_factory()
+        default = defaults.get(f.name, default)
+        if kind is dict or typing.get_origin(kind) is dict:
+            kind, default = str, json.dumps(default)
+            help_text += " Given as JSON, e.g. '{\"rff_temperature\": 2.0}'."
+        if f.name == "sampler":
+            help_text += f" Or '{FULL}': no sampling, the plain Trainer with the full softmax (the baseline)."
+        # argparse %-formats help strings (for %(default)s): a literal percent sign must be doubled.
+        specs.append((f.name, kind, field(default=default, metadata={"help": help_text.replace("%", "%%")})))
+    cls = dataclasses.make_dataclass("MidxArguments", specs)
+    cls.__doc__ = "MIDX options (hf_midx.MidxConfig's fields), or --sampler full for the full-softmax baseline."
+    return cls
+
+
+def midx_config_from(midx_args: Any, seed: int):
+    """The validated :class:`hf_midx.MidxConfig` of parsed ``MidxArguments``; None for ``--sampler full``.
+
+    With ``full`` the other MIDX options are still checked (a typo should not pass silently).
+    Raises RecipeError on any invalid value.
+    """
+    from hf_midx import SAMPLERS, MidxConfig
+
+    values = dataclasses.asdict(midx_args)
+    sampler = values["sampler"]
+    if sampler != FULL and sampler not in SAMPLERS:
+        raise RecipeError(f"--sampler {sampler!r} is not known; choose one of: {FULL}, {', '.join(sorted(SAMPLERS))}.")
+    hints = typing.get_type_hints(MidxConfig)
+    for name, kind in hints.items():
+        if name in values and (kind is dict or typing.get_origin(kind) is dict) and isinstance(values[name], str):
+            try:
+                values[name] = json.loads(values[name])
+            except json.JSONDecodeError as err:
+                raise RecipeError(
+                    f"--{name} must be a JSON object, e.g. '{{\"rff_temperature\": 2.0}}' ({err})."
+                ) from None
+    values["seed"] = seed
+    if sampler == FULL:
+        values["sampler"] = MidxConfig.sampler  # validate the rest as if sampling
+    try:
+        config = MidxConfig(**values)
+    except (TypeError, ValueError) as err:
+        raise RecipeError(f"invalid MIDX option: {err}") from None
+    return None if sampler == FULL else config
+
+
+#: TrainingArguments flags that ``--help`` describes, in a line each; the others are listed by name
+#: (``--help_all`` gives transformers' own help for all).
+MAIN_TRAINING_FLAGS = {
+    "output_dir": "Where the model, tokenizer, card, checkpoints and results.json go.",
+    "num_train_epochs": "Epochs to train.",
+    "max_steps": "Optimizer steps to train (overrides --num_train_epochs when > 0).",
+    "learning_rate": "Peak learning rate of AdamW.",
+    "per_device_train_batch_size": "Blocks per batch and process.",
+    "eval_strategy": "When to evaluate on the validation blocks: no, steps, epoch.",
+    "save_strategy": "When to save a checkpoint-N folder: no, steps, epoch.",
+    "logging_steps": "Log the loss (and the midx/* values) every N steps.",
+    "seed": "Seed of the model's initialization, the data order and the sampler.",
+    "bf16": "bfloat16 mixed precision.",
+    "report_to": "Also log to these integrations, e.g. tensorboard (pip install 'hf-midx[tensorboard]').",
+    "resume_from_checkpoint": "'last' (the newest checkpoint-N of --output_dir) or a checkpoint folder.",
+    "push_to_hub": "Push the output folder to the Hub (with --hub_model_id user/name).",
+}
+
+
+def _one_line_parser(dataclass_types, description: str = ""):
+    """``HfArgumentParser`` whose errors raise RecipeError (one line) instead of printing usage and exiting."""
+    import argparse
+
+    from transformers import HfArgumentParser
+
+    class OneLineParser(HfArgumentParser):
+        def error(self, message):  # argparse's hook for bad command lines
+            raise RecipeError(message)
+
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        """Defaults in the help (as HfArgumentParser shows them), the description's example lines as written."""
+
+    # allow_abbrev=False: "--num_sample 5" is an error, not "--num_samples 5" taken silently.
+    return OneLineParser(dataclass_types, description=description, formatter_class=Formatter, allow_abbrev=False)
+
+
+def _short_help(parser, argv: Sequence[str]) -> None:
+    """``--help`` describes the recipe's flags and the main TrainingArguments ones; it names the others.
+
+    The Trainer's ~120 flags with their help would be 600 lines. ``--help_all`` shows them all.
+    """
+    import argparse
+
+    from transformers import TrainingArguments
+
+    import textwrap
+
+    parser.add_argument("--help_all", action="help", help="Show every flag with its help, TrainingArguments' included.")
+    if "--help_all" in argv:
+        return
+    parser.usage = "%(prog)s [--output_dir DIR] [--flag value ...]   (--help: the main flags; --help_all: all)"
+    for action in parser._actions:
+        negated = action.option_strings[0][len("--no_") :] if action.option_strings[0].startswith("--no_") else None
+        if negated and action.help is not argparse.SUPPRESS:
+            action.help = f"Turn --{negated} off."
+    training = {f.name for f in dataclasses.fields(TrainingArguments)}
+    named = []
+    for action in parser._actions:  # argparse keeps no public list of its actions
+        if action.dest in MAIN_TRAINING_FLAGS:
+            action.help = MAIN_TRAINING_FLAGS[action.dest]
+        elif action.dest in training:
+            if action.help is not argparse.SUPPRESS and action.option_strings[0].startswith("--"):
+                named.append(action.option_strings[0])
+            action.help = argparse.SUPPRESS
+    text = "Every other transformers TrainingArguments flag works too (--help_all describes them): "
+    parser.epilog = textwrap.fill(text + ", ".join(sorted(set(named))) + ".", width=78)
+
+
+def parse_arguments(
+    dataclass_types: Sequence[type], training_defaults: dict[str, Any], argv: Sequence[str] | None = None, doc: str = ""
+) -> tuple:
+    """Parse ``argv`` into instances of ``dataclass_types`` plus ``TrainingArguments`` (last).
+
+    ``training_defaults`` replace TrainingArguments defaults (they show in ``--help``); anything given
+    on the command line wins. Raises RecipeError for unknown flags and invalid values.
+    """
+    from transformers import TrainingArguments
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _one_line_parser([*dataclass_types, TrainingArguments], description=_description(doc))
+    _short_help(parser, argv)
+    parser.set_defaults(**training_defaults)
+    if launched_without_gpu():
+        # A torchrun / accelerate launch of several processes on a machine without a GPU: without use_cpu the
+        # Trainer's PartialState finds no GPU backend, so every process trains alone (world size 1).
+        parser.set_defaults(use_cpu=True)
+    try:
+        return tuple(parser.parse_args_into_dataclasses(args=argv))
+    except (ValueError, TypeError) as err:
+        raise RecipeError(str(err)) from None
+
+
+def _description(doc: str) -> str:
+    """A recipe docstring's first two paragraphs (what it does, the example commands), for ``--help``."""
+    return "\n\n".join(doc.strip().split("\n\n")[:2]).replace("``", "")
+
+
+def launched_without_gpu() -> bool:
+    """True in one of several processes started by torchrun / accelerate launch on a machine without a GPU.
+
+    Such a launch sets WORLD_SIZE (> 1) and LOCAL_RANK; ``TrainingArguments`` then needs ``use_cpu`` to set up
+    one DDP job over gloo, since accelerate only looks for a CPU process group when told to use the CPU.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return world_size > 1 and "LOCAL_RANK" in os.environ and not torch.cuda.is_available()
+
+
+def recipe_training_defaults(output_dir: str) -> dict[str, Any]:
+    """Trainer settings for the small word-level transformers of the recipes (all overridable)."""
+    return {
+        "output_dir": output_dir,
+        "learning_rate": 1e-3,
+        "warmup_steps": 0.02,  # a ratio of the total steps
+        "weight_decay": 0.01,
+        "per_device_train_batch_size": 32,
+        "per_device_eval_batch_size": 64,
+        "eval_strategy": "epoch",
+        "save_strategy": "epoch",
+        "save_total_limit": 2,
+        "logging_steps": 50,
+        "report_to": "none",
+        "include_num_input_tokens_seen": True,  # "all" (the flag parses as a bool)
+        "dataloader_pin_memory": torch.cuda.is_available(),
+        "ddp_find_unused_parameters": False,  # every parameter gets a gradient
+        # Progress bars on a terminal only: redrawn with carriage returns, they would fill a log file
+        # with control characters (the Trainer then prints each log entry as a line instead).
+        "disable_tqdm": not sys.stderr.isatty(),
+    }
+
+
+def setup_logging(training_args) -> None:
+    """The recipe's and hf_midx's INFO messages on stderr from the main process; WARNING elsewhere.
+
+    stderr, as transformers logs: one stream for progress, logs, warnings and errors, and stdout stays free.
+    """
+    import transformers
+
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stderr)],
+        force=True,
+    )
+    level = logging.INFO if training_args.should_log else logging.WARNING
+    for name in ("recipes", "hf_midx"):
+        logging.getLogger(name).setLevel(level)
+    if training_args.log_level != "passive":
+        transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
+    # Python warnings as one log line, without the source path and line that warnings.showwarning prints.
+    warnings.showwarning = _log_warning
+    if training_args.disable_tqdm:
+        # No terminal: the saving bars ("Writing model shards") would write carriage returns into the log.
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
+
+
+def _log_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    logging.getLogger("py.warnings").warning("%s: %s", category.__name__, message)
+
+
+def check_output_and_resume(training_args, overwrite: bool = False) -> str | None:
+    """Validate ``--output_dir`` and ``--resume_from_checkpoint``; returns the checkpoint to resume or None.
+
+    ``--resume_from_checkpoint last`` (or ``true``) picks the newest ``checkpoint-*`` in output_dir. Without a
+    checkpoint to resume and without ``overwrite`` (``--overwrite_output_dir``), an output_dir holding a
+    finished run (``results.json``) or an unfinished one (``checkpoint-*``) is a RecipeError: the earlier
+    run is left as it is.
+    """
+    from transformers.trainer_utils import get_last_checkpoint
+
+    out = training_args.output_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise RecipeError(f"--output_dir {out!r} is a file; give a directory.")
+    resume = training_args.resume_from_checkpoint
+    if resume is None or resume == "":
+        if not overwrite and os.path.isdir(out):
+            if os.path.exists(os.path.join(out, RESULTS_NAME)):
+                raise RecipeError(
+                    f"--output_dir {out!r} holds a finished run ({RESULTS_NAME}); give another --output_dir, "
+                    "--resume_from_checkpoint last to continue it, or --overwrite_output_dir to replace it."
+                )
+            last = get_last_checkpoint(out)
+            if last is not None:
+                raise RecipeError(
+                    f"--output_dir {out!r} holds an unfinished run ({os.path.basename(last)}); pass "
+                    "--resume_from_checkpoint last to continue it, --overwrite_output_dir to start over, or another "
+                    "--output_dir."
+                )
+        return None
+    if resume.lower() in ("last", "true"):
+        last = get_last_checkpoint(out) if os.path.isdir(out) else None
+        if last is None:
+            raise RecipeError(f"--resume_from_checkpoint {resume}: no checkpoint-* folder in {out!r} to resume from.")
+        return last
+    if not os.path.isdir(resume):
+        raise RecipeError(f"--resume_from_checkpoint {resume!r} is not a checkpoint directory.")
+    return resume
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be reached (a quick request), or None.
+
+    None also in offline mode (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE): then the caller tries its
+    local cache, which fails fast if the files are not there.
+    """
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return None
+    return _probe_hub()
+
+
+def _probe_hub() -> str | None:
+    """One HEAD request to the Hub endpoint (10 s at most): why it failed, or None."""
+    from huggingface_hub import constants, get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=10)
+    except Exception as err:  # any transport error means "not reachable"
+        return f"{type(err).__name__}: {' '.join(str(err).split())}"
+    return None
+
+
+def check_hub_source(name: str | None, flag: str) -> None:
+    """RecipeError now, in one line, if ``name`` (not a local directory) cannot come from the Hub or its cache.
+
+    Without this, an unreachable Hub costs a minute of download retries before the error. Offline
+    (HF_HUB_OFFLINE) only the local cache is used, so the name must be in it.
+    """
+    if not name or os.path.isdir(name):
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        cached = isinstance(try_to_load_from_cache(name, "config.json"), str) or isinstance(
+            try_to_load_from_cache(name, "tokenizer_config.json"), str
+        )
+    except ValueError:  # huggingface_hub's HFValidationError: neither a directory nor a repository id
+        raise RecipeError(f"{flag} {name!r} is not a directory, nor a Hugging Face Hub model id.") from None
+    if constants.HF_HUB_OFFLINE:
+        if not cached:
+            raise RecipeError(
+                f"{flag} {name!r} is not a directory and not in the Hugging Face cache, and HF_HUB_OFFLINE is set; "
+                "give a local model directory or download it first."
+            )
+        return
+    reason = _probe_hub()
+    if reason is not None:
+        hint = "set HF_HUB_OFFLINE=1 to use the cached copy" if cached else "it is not in the local cache either"
+        raise RecipeError(f"{flag} {name!r}: the Hugging Face Hub cannot be reached ({reason[:200]}); {hint}.")
+
+
+def check_reporting(training_args) -> None:
+    """RecipeError now, in one line, for a ``--report_to`` integration that is not installed.
+
+    Without this the Trainer stops with a long traceback once the model is built.
+    """
+    from transformers.integrations import is_tensorboard_available
+
+    wanted = training_args.report_to or []
+    if "tensorboard" in wanted and not is_tensorboard_available():
+        raise RecipeError("--report_to tensorboard needs TensorBoard: pip install 'hf-midx[tensorboard]'.")
+
+
+def check_push(training_args) -> None:
+    """With ``--push_to_hub``, fail now (one line) if the Hub cannot be reached or no token is known."""
+    if not training_args.push_to_hub:
+        return
+    from huggingface_hub import constants, get_token
+
+    if constants.HF_HUB_OFFLINE:
+        raise RecipeError("--push_to_hub needs the Hugging Face Hub, but HF_HUB_OFFLINE is set.")
+    reason = hub_unreachable()
+    if reason is not None:
+        raise RecipeError(f"--push_to_hub needs the Hugging Face Hub, which cannot be reached ({reason}).")
+    if not (training_args.hub_token or get_token()):
+        raise RecipeError("--push_to_hub needs a Hugging Face token: run `hf auth login` or pass --hub_token.")
+
+
+def check_model_arguments(model_args) -> None:
+    """RecipeError for contradictory model flags (checked before any data is read)."""
+    if model_args.model_name_or_path and model_args.config_overrides:
+        raise RecipeError(
+            "--config_overrides only applies to a model trained from scratch, not with --model_name_or_path."
+        )
+    check_hub_source(model_args.model_name_or_path, "--model_name_or_path")
