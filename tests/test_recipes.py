@@ -727,3 +727,9 @@ def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path):
     assert plain["exact_last_stage_ess"] >= plain["ess"] - 1e-6
     assert 0 < plain["cluster_purity"] <= 1 and "kl_bucket_stage" not in by_name["unigram"]
     assert (tmp_path / "report" / "synthetic_coverage_midx-rq_s3.md").is_file()
+    bands = report["bands"]
+    assert [b["band"] for b in bands] == ["ranks [0, 64)", "ranks [64, 640)", "ranks [640, 2,000)"]
+    assert math.isclose(sum(b["true_mass"] for b in bands), 1.0, rel_tol=1e-9)
+    assert math.isclose(sum(b["model_mass"] for b in bands), 1.0, rel_tol=1e-5)
+    assert math.isclose(sum(b["label_share"] for b in bands), 1.0, rel_tol=1e-9)
+    assert math.isclose(sum(b["excess_nll_share"] for b in bands), 1.0, rel_tol=1e-6)

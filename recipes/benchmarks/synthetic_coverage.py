@@ -14,7 +14,11 @@ Every proposal is built on the tail's rows of the head weight and measured by
   Q'(i) = Q_B(b(i)) P(i | b(i)), mixed with the static component as the proposal mixes it; its ESS and
   KL(P || Q') = KL(P_B || Q_B) are computed exactly, without building that sampler;
 * how well the buckets follow the chain's clusters: the stationary-mass-weighted purity
-  sum_b max_c mu(b and c) / sum_b mu(b) over the tail classes.
+  sum_b max_c mu(b and c) / sum_b mu(b) over the tail classes;
+* where the model's own error lies, by frequency band of the next word (ranks [0, H), [H, 10H), [10H, V)):
+  the mass the model puts on the band against the true chain's, and the band's share of the test
+  cross-entropy in excess of the chain's (a sampled softmax biased towards rare words shows as more mass
+  on the tail than the full softmax's model puts there).
 
 Run: ``python recipes/benchmarks/synthetic_coverage.py RUN_DIR --out results/cpu-synthetic``.
 """
@@ -52,17 +56,19 @@ PROPOSALS = {
 
 
 def queries_of(run_dir: Path, chain: ZipfMarkovChain, seq_len: int, contexts: int, seed: int):
-    """(S, D) float32 final hidden states at one random position of each of S fresh blocks, and the head weight."""
+    """(S, D) float32 final hidden states at one random position of each of S fresh blocks, the (V, D) head
+    weight, and the (S,) words at and after those positions."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(run_dir).eval()
-    blocks = torch.from_numpy(chain.sample_blocks(contexts, seq_len, seed=[chain.settings.seed, 99, seed]))
+    blocks = torch.from_numpy(chain.sample_blocks(contexts, seq_len + 1, seed=[chain.settings.seed, 99, seed]))
     gen = torch.Generator().manual_seed(seed)
     position = torch.randint(0, seq_len, (contexts,), generator=gen)
     with torch.no_grad():
-        hidden = model(blocks, output_hidden_states=True).hidden_states[-1]  # (S, L, D), after the final norm
+        hidden = model(blocks[:, :-1], output_hidden_states=True).hidden_states[-1]  # (S, L, D), after the final norm
     weight = model.get_output_embeddings().weight.detach().float()
-    return hidden[torch.arange(contexts), position].float(), weight
+    rows = torch.arange(contexts)
+    return hidden[rows, position].float(), weight, blocks[rows, position], blocks[rows, position + 1]
 
 
 def bucket_terms(sampler, log_p: torch.Tensor, log_q: torch.Tensor, log_static: torch.Tensor | None, mix: float):
@@ -106,6 +112,35 @@ def purity(sampler, chain: ZipfMarkovChain, tail: torch.Tensor) -> float:
     return float(joint.amax(1).sum() / joint.sum())
 
 
+def frequency_bands(z, weight, blocks_prev, blocks_next, chain, head: int) -> list[dict]:
+    """Per band of next-word ranks: mean predicted mass, the chain's true mass, and the excess NLL share.
+
+    z: (S, D) hidden states at the positions whose previous word is ``blocks_prev`` (S,) and next word
+    ``blocks_next`` (S,); the chain's P(. | prev) is built per context from its cluster structure.
+    """
+    import numpy as np
+
+    v = weight.shape[0]
+    edges = [0, head, min(10 * head, v), v] if head else [0, v // 100, v // 10, v]
+    log_p = torch.log_softmax(z @ weight.t(), dim=1).double()
+    words = np.arange(v)
+    true = np.stack([chain.transition_prob(np.full(v, prev), words) for prev in blocks_prev.tolist()])  # (S, V)
+    nll_model = -log_p[torch.arange(z.shape[0]), blocks_next]
+    nll_chain = -torch.from_numpy(np.log(true[np.arange(z.shape[0]), blocks_next.numpy()]))
+    excess = (nll_model - nll_chain).sum().item()
+    rows = []
+    for lo, hi in zip(edges, edges[1:]):
+        in_band = (blocks_next >= lo) & (blocks_next < hi)
+        rows.append({
+            "band": f"ranks [{lo:,}, {hi:,})",
+            "model_mass": log_p[:, lo:hi].exp().sum(1).mean().item(),
+            "true_mass": float(true[:, lo:hi].sum(1).mean()),
+            "label_share": in_band.double().mean().item(),
+            "excess_nll_share": ((nll_model - nll_chain)[in_band].sum().item() / excess) if excess else 0.0,
+        })
+    return rows
+
+
 def main(argv=None) -> dict:
     import json
 
@@ -135,7 +170,7 @@ def main(argv=None) -> dict:
         torch.from_numpy(chain.sample_blocks(train_blocks, seq_len + 1, seed=[syn["corpus_seed"], 0])),
         syn["vocab_size"],
     )
-    z, weight = queries_of(args.run_dir, chain, seq_len, args.contexts, args.seed)
+    z, weight, prev, nxt = queries_of(args.run_dir, chain, seq_len, args.contexts, args.seed)
     v = weight.shape[0]
     head = torch.topk(counts.double(), args.exact_head).indices if args.exact_head else torch.empty(0, dtype=torch.long)
     in_head = torch.zeros(v, dtype=torch.bool)
@@ -170,6 +205,7 @@ def main(argv=None) -> dict:
             row["nonempty_buckets"] = int((component.index.bucket_counts > 0).sum())
         rows.append(row)
         print({key: round(val, 4) if isinstance(val, float) else val for key, val in row.items()}, flush=True)
+    bands = frequency_bands(z, weight, prev, nxt, chain, args.exact_head)
     tag = args.tag or args.run_dir.name
     settings = {
         "run_dir": str(args.run_dir),
@@ -201,8 +237,19 @@ def main(argv=None) -> dict:
         f"{head_mass:.3f} of the softmax's mass; P = the softmax over the other {tail.numel():,} classes.\n\n"
         + common.markdown_table([{k: fmt(r.get(k)) for _, k in columns} for r in rows], columns)
     )
-    common.write_outputs(args.out, f"{NAME}_{tag}", {"settings": settings, "rows": rows}, md)
-    return {"settings": settings, "rows": rows}
+    band_columns = [
+        ("next word", "band"),
+        ("model's mass", "model_mass"),
+        ("true mass", "true_mass"),
+        ("share of labels", "label_share"),
+        ("share of the excess NLL", "excess_nll_share"),
+    ]
+    md += "\n\n## Where the model's error lies\n\n" + common.markdown_table(
+        [{k: fmt(r[k]) for _, k in band_columns} for r in bands], band_columns
+    )
+    payload = {"settings": settings, "rows": rows, "bands": bands}
+    common.write_outputs(args.out, f"{NAME}_{tag}", payload, md)
+    return payload
 
 
 if __name__ == "__main__":
