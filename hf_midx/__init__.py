@@ -12,11 +12,11 @@ import importlib as _importlib
 
 from .codebooks import LearnableCodebooks
 from .data import token_counts
-from .diagnostics import proposal_diagnostics
+from .diagnostics import kl_to_softmax, proposal_diagnostics
 from .index import MidxIndex
 from .loss import full_softmax_loss, sampled_softmax_loss
 from .rng import CounterRNG
-from .samplers import SAMPLERS, Sampler, build_sampler, kl_to_softmax
+from .samplers import SAMPLERS, Sampler, build_sampler
 from .version import __version__, versions
 from .wrap import unwrap, wrap
 
