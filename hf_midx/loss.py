@@ -143,7 +143,7 @@ def sampled_softmax_loss(
     reduction: str = "mean",
     logit_softcap: float | None = None,
     generator: torch.Generator | None = None,
-    estimator: str = "exact-positive",
+    estimator: str = "corrected-positive",
     exact_ids: torch.Tensor | None = None,
     check_labels: bool = True,
 ) -> torch.Tensor:
@@ -165,11 +165,16 @@ def sampled_softmax_loss(
         reduction: "mean" over non-ignored tokens, "sum", or "none" ((T,), zeros at ignored tokens).
         logit_softcap: if set, logits become ``cap * tanh(o / cap)`` (Gemma-2) before correction.
         generator: optional RNG for the draws; defaults to the sampler's own.
-        estimator: "exact-positive" (the label's logit enters as is) or "corrected-positive" (a label
-            outside ``exact_ids`` is one more candidate, corrected by its own log q); see the module
-            docstring.
+        estimator: "corrected-positive" (the default, as ``MidxConfig``'s: a label outside ``exact_ids``
+            is one more candidate, corrected by its own log q) or "exact-positive" (the label's logit
+            enters as is, the paper); see the module docstring.
         exact_ids: optional (H,) int64 class ids scored exactly for every token (one (T, H) matmul);
-            the sampler must never draw them (build it with ``exclude=exact_ids``).
+            the sampler must never draw them (build it with ``exclude=exact_ids``). None (the default)
+            scores no class exactly: choosing the H most frequent classes needs class counts, which
+            this function does not see. ``MidxConfig().exact_head`` (2,048) is the head that
+            ``MidxLMHead`` builds from ``class_counts``, and the defensive mixture ``MidxConfig().mix_weight``
+            (0.5) is likewise applied where the sampler is built from a config; a sampler built
+            directly (``build_sampler``) has neither unless asked.
         check_labels: range-check the labels with a ValueError, which reads them on the host (one
             device sync). With False a device-side assertion checks them instead (the training path);
             under ``torch.compile`` the device-side assertion is used either way, so that a compiled

@@ -115,7 +115,7 @@ def test_per_query_matches_reference(reduction, with_bias, remove):
     ids, log_q = _draws(10, 16, labels=labels.clamp_min(0))
     sampler = FixedDraws(V, D, ids, log_q)
     loss = sampled_softmax_loss(hidden, weight, labels, sampler, 16, bias=bias, reduction=reduction,
-                                remove_accidental_hits=remove)
+                                remove_accidental_hits=remove, estimator="exact-positive")
     ref = reference_loss(hidden, weight, labels, ids[valid], log_q[valid], bias=bias, reduction=reduction,
                          remove_accidental_hits=remove)
     _compare(loss, ref, (hidden, weight, bias))
@@ -133,7 +133,7 @@ def test_shared_matches_reference(reduction, with_bias):
     pool[:3] = labels[:3]  # accidental hits in the pool
     sampler = FixedDraws(V, D, None, None, pool, log_qbar)
     loss = sampled_softmax_loss(hidden, weight, labels, sampler, 40, bias=bias, negatives="shared",
-                                reduction=reduction)
+                                reduction=reduction, estimator="exact-positive")
     ref = reference_loss(hidden, weight, labels, pool, log_qbar, bias=bias, shared=True, reduction=reduction)
     _compare(loss, ref, (hidden, weight, bias))
 
@@ -146,11 +146,11 @@ def test_logit_softcap_matches_reference(negatives):
     sampler = FixedDraws(V, D, ids, log_q, ids[0], log_q[0])
     shared = negatives == "shared"
     loss = sampled_softmax_loss(hidden, weight, labels, sampler, 12, bias=bias, negatives=negatives,
-                                logit_softcap=5.0)
+                                logit_softcap=5.0, estimator="exact-positive")
     ref = reference_loss(hidden, weight, labels, ids[0] if shared else ids, log_q[0] if shared else log_q,
                          bias=bias, shared=shared, logit_softcap=5.0)
     _compare(loss, ref, (hidden, weight, bias))
-    uncapped = sampled_softmax_loss(hidden, weight, labels, sampler, 12, bias=bias, negatives=negatives)
+    uncapped = sampled_softmax_loss(hidden, weight, labels, sampler, 12, bias=bias, negatives=negatives, estimator="exact-positive")
     assert not torch.allclose(loss, uncapped)
 
 
@@ -160,9 +160,9 @@ def test_accidental_hits_are_removed():
     ids = labels.unsqueeze(1).repeat(1, 5)
     log_q = torch.full((4, 5), -1.0)
     sampler = FixedDraws(V, D, ids, log_q)
-    loss = sampled_softmax_loss(hidden, weight, labels, sampler, 5, reduction="none")
+    loss = sampled_softmax_loss(hidden, weight, labels, sampler, 5, reduction="none", estimator="exact-positive")
     torch.testing.assert_close(loss, torch.zeros(4), atol=0, rtol=0)
-    kept = sampled_softmax_loss(hidden, weight, labels, sampler, 5, reduction="none", remove_accidental_hits=False)
+    kept = sampled_softmax_loss(hidden, weight, labels, sampler, 5, reduction="none", remove_accidental_hits=False, estimator="exact-positive")
     # Kept, the 5 copies add 5 exp(o_y - log(5 q)) = exp(o_y + 1) to exp(o_y): loss = log(1 + e).
     torch.testing.assert_close(kept, torch.full((4,), math.log1p(math.e)), atol=1e-6, rtol=1e-6)
 
@@ -174,7 +174,7 @@ def test_mean_is_sum_over_valid_tokens():
 
     def run(reduction):
         return sampled_softmax_loss(hidden, weight, labels, sampler, 8, bias=bias, ignore_index=-1,
-                                    reduction=reduction, generator=torch.Generator().manual_seed(3))
+                                    reduction=reduction, generator=torch.Generator().manual_seed(3), estimator="exact-positive")
 
     mean, total, none = run("mean"), run("sum"), run("none")
     assert none.shape == (10,) and float(none[0].detach()) == 0.0 and float(none[7].detach()) == 0.0
@@ -188,11 +188,11 @@ def test_ignored_tokens_change_nothing():
     labels[[1, 2, 9]] = -100
     valid = labels != -100
     ids, log_q = _draws(10, 8, labels=labels.clamp_min(0))
-    loss = sampled_softmax_loss(hidden, weight, labels, FixedDraws(V, D, ids, log_q), 8, bias=bias)
+    loss = sampled_softmax_loss(hidden, weight, labels, FixedDraws(V, D, ids, log_q), 8, bias=bias, estimator="exact-positive")
     g_hidden, g_weight, g_bias = _grads(loss, (hidden, weight, bias))
     h_valid = hidden.detach()[valid].clone().requires_grad_(True)
     loss_valid = sampled_softmax_loss(h_valid, weight, labels[valid], FixedDraws(V, D, ids[valid], log_q[valid]), 8,
-                                      bias=bias)
+                                      bias=bias, estimator="exact-positive")
     torch.testing.assert_close(loss, loss_valid)
     g_valid, gw_valid, gb_valid = _grads(loss_valid, (h_valid, weight, bias))
     assert bool((g_hidden[~valid] == 0).all())
@@ -208,7 +208,7 @@ def test_all_ignored_batch_gives_zero_loss_and_zero_gradient(negatives, reductio
     labels[:] = -100
     sampler = build_sampler("uniform", weight.detach())
     loss = sampled_softmax_loss(hidden, weight, labels, sampler, 8, bias=bias, negatives=negatives,
-                                reduction=reduction)
+                                reduction=reduction, estimator="exact-positive")
     assert loss.dtype == torch.float32 and loss.shape == ((10,) if reduction == "none" else ())
     assert bool((loss == 0).all())
     for g in _grads(loss, (hidden, weight, bias)):
@@ -218,9 +218,9 @@ def test_all_ignored_batch_gives_zero_loss_and_zero_gradient(negatives, reductio
 def test_same_generator_gives_same_loss():
     hidden, weight, bias, labels = _inputs()
     sampler = build_sampler("midx-pq", weight.detach(), codebook_size=8)
-    a = sampled_softmax_loss(hidden, weight, labels, sampler, 8, generator=torch.Generator().manual_seed(9))
-    b = sampled_softmax_loss(hidden, weight, labels, sampler, 8, generator=torch.Generator().manual_seed(9))
-    c = sampled_softmax_loss(hidden, weight, labels, sampler, 8)  # the sampler's own generator
+    a = sampled_softmax_loss(hidden, weight, labels, sampler, 8, generator=torch.Generator().manual_seed(9), estimator="exact-positive")
+    b = sampled_softmax_loss(hidden, weight, labels, sampler, 8, generator=torch.Generator().manual_seed(9), estimator="exact-positive")
+    c = sampled_softmax_loss(hidden, weight, labels, sampler, 8, estimator="exact-positive")  # the sampler's own generator
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
@@ -231,7 +231,7 @@ def test_bf16_inputs_give_a_finite_float32_loss(negatives):
 
     def run(h, w, b):
         return sampled_softmax_loss(h, w, labels, sampler, 16, bias=b, negatives=negatives,
-                                    generator=torch.Generator().manual_seed(5))
+                                    generator=torch.Generator().manual_seed(5), estimator="exact-positive")
 
     h16, w16, b16 = (x.detach().bfloat16().requires_grad_(True) for x in (hidden, weight, bias))
     loss16 = run(h16, w16, b16)
@@ -362,7 +362,7 @@ def test_gradient_bias_shrinks_with_m_and_is_smaller_for_midx(make_clustered):
         for m in (2, 16, 128):
             h = queries.repeat_interleave(reps, 0).requires_grad_(True)
             loss = sampled_softmax_loss(h, weight, labels.repeat_interleave(reps), sampler, m, reduction="sum",
-                                        generator=torch.Generator().manual_seed(m))
+                                        generator=torch.Generator().manual_seed(m), estimator="exact-positive")
             (g,) = torch.autograd.grad(loss, h)
             g = g.view(queries.shape[0], reps, -1).double()
             b = (g.mean(1) - full_grad.double()).norm(dim=1)
@@ -390,8 +390,8 @@ def test_int32_labels_are_accepted(softcap):
     got = full_softmax_loss(hidden, weight, labels.int(), bias=bias, logit_softcap=softcap)
     torch.testing.assert_close(got, want)
     sampler = build_sampler("midx-rq", weight.detach(), codebook_size=8)
-    a = sampled_softmax_loss(hidden, weight, labels.int(), sampler, 8, generator=torch.Generator().manual_seed(0))
-    b = sampled_softmax_loss(hidden, weight, labels, sampler, 8, generator=torch.Generator().manual_seed(0))
+    a = sampled_softmax_loss(hidden, weight, labels.int(), sampler, 8, generator=torch.Generator().manual_seed(0), estimator="exact-positive")
+    b = sampled_softmax_loss(hidden, weight, labels, sampler, 8, generator=torch.Generator().manual_seed(0), estimator="exact-positive")
     torch.testing.assert_close(a, b)
 
 
@@ -400,7 +400,7 @@ def test_frozen_weight_gets_no_gradient_and_hidden_does():
     frozen = weight.detach()
     sampler = build_sampler("midx-rq", frozen, codebook_size=8)
     for negatives in ("per-query", "shared"):
-        loss = sampled_softmax_loss(hidden, frozen, labels, sampler, 8, negatives=negatives)
+        loss = sampled_softmax_loss(hidden, frozen, labels, sampler, 8, negatives=negatives, estimator="exact-positive")
         (g,) = torch.autograd.grad(loss, hidden)
         assert bool(torch.isfinite(g).all()) and float(g.abs().sum()) > 0
 
@@ -475,8 +475,8 @@ def test_exact_positive_form_reduces_to_the_paper_when_nothing_is_exact():
     hidden, weight, bias, labels = _inputs()
     ids, log_q = _draws(10, 7, labels=labels)
     sampler = FixedDraws(V, D, ids, log_q)
-    a = sampled_softmax_loss(hidden, weight, labels, sampler, 7, bias=bias)
-    b = sampled_softmax_loss(hidden, weight, labels, sampler, 7, bias=bias, exact_ids=torch.empty(0, dtype=torch.long))
+    a = sampled_softmax_loss(hidden, weight, labels, sampler, 7, bias=bias, estimator="exact-positive")
+    b = sampled_softmax_loss(hidden, weight, labels, sampler, 7, bias=bias, exact_ids=torch.empty(0, dtype=torch.long), estimator="exact-positive")
     torch.testing.assert_close(a, b, atol=0, rtol=0)
     torch.testing.assert_close(a.double(), reference_loss(hidden, weight, labels, ids, log_q, bias=bias))
 
@@ -497,7 +497,7 @@ def test_exact_proposal_with_exact_head_gives_the_full_loss_plus_the_known_term(
     ids = torch.multinomial(log_tail.exp(), 5, replacement=True, generator=g)
     sampler = FixedDraws(V, D, ids, log_tail.gather(1, ids))
     loss = sampled_softmax_loss(hidden, weight, labels, sampler, 5, bias=bias, exact_ids=exact_ids,
-                                remove_accidental_hits=False, reduction="none")
+                                remove_accidental_hits=False, reduction="none", estimator="exact-positive")
     log_z = torch.logsumexp(logits, 1)
     o_y = logits.gather(1, labels.unsqueeze(1)).squeeze(1)
     in_head = torch.isin(labels, exact_ids)
@@ -511,16 +511,16 @@ def test_unknown_estimator_and_bad_exact_ids_are_refused():
     with pytest.raises(ValueError, match="estimator must be one of"):
         sampled_softmax_loss(hidden, weight, labels, sampler, 4, estimator="tf")
     with pytest.raises(ValueError, match="exact_ids must be a 1-D integer tensor"):
-        sampled_softmax_loss(hidden, weight, labels, sampler, 4, exact_ids=torch.zeros(2, 2, dtype=torch.long))
+        sampled_softmax_loss(hidden, weight, labels, sampler, 4, exact_ids=torch.zeros(2, 2, dtype=torch.long), estimator="exact-positive")
     with pytest.raises(ValueError, match=r"exact_ids contains 200, outside \[0, 200\)"):
-        sampled_softmax_loss(hidden, weight, labels, sampler, 4, exact_ids=torch.tensor([3, V]))
+        sampled_softmax_loss(hidden, weight, labels, sampler, 4, exact_ids=torch.tensor([3, V]), estimator="exact-positive")
 
 
 def test_unchecked_labels_use_a_device_side_assertion():
     hidden, weight, bias, labels = _inputs()
     sampler = build_sampler("uniform", weight.detach())
     with pytest.raises(RuntimeError, match="labels outside"):
-        sampled_softmax_loss(hidden, weight, torch.full((10,), V), sampler, 4, check_labels=False)
+        sampled_softmax_loss(hidden, weight, torch.full((10,), V), sampler, 4, check_labels=False, estimator="exact-positive")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

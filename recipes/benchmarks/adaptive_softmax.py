@@ -25,18 +25,19 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
-if not __package__:  # run as a file: the repository root holds the `recipes` package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+if __package__:
+    from . import common
+else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+    import common
 
-from recipes.lm_data import TokenBlocks, build_word_level_tokenizer, encode_lines, read_lines  # noqa: E402
-from recipes.lm_recipe import PAPER_GPT2  # noqa: E402
+lm_data = common.import_recipe("lm_data")
+PAPER_GPT2 = common.import_recipe("lm_recipe").PAPER_GPT2
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,7 +83,7 @@ class AdaptiveLM(nn.Module):
 
 
 @torch.no_grad()
-def evaluate(model: AdaptiveLM, blocks: TokenBlocks, batch: int) -> float:
+def evaluate(model: AdaptiveLM, blocks: lm_data.TokenBlocks, batch: int) -> float:
     model.eval()
     total, count = 0.0, 0
     for s in range(0, len(blocks), batch):
@@ -97,12 +98,12 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     lines = {
-        "train": read_lines(args.train_file),
-        "validation": read_lines(args.validation_file),
-        **({"test": read_lines(args.test_file)} if args.test_file else {}),
+        "train": lm_data.read_lines(args.train_file),
+        "validation": lm_data.read_lines(args.validation_file),
+        **({"test": lm_data.read_lines(args.test_file)} if args.test_file else {}),
     }
-    tokenizer = build_word_level_tokenizer(lines["train"])
-    streams = {k: encode_lines(tokenizer, v) for k, v in lines.items()}
+    tokenizer = lm_data.build_word_level_tokenizer(lines["train"])
+    streams = {k: lm_data.encode_lines(tokenizer, v) for k, v in lines.items()}
     vocab = len(tokenizer)
     # Frequency ranks: the adaptive softmax needs the frequent words first.
     counts = torch.bincount(streams["train"], minlength=vocab)[:vocab]
@@ -111,7 +112,7 @@ def main(argv=None) -> dict:
     blocks = {}
     for name, stream in streams.items():
         limit = args.max_train_samples if name == "train" else args.max_eval_samples
-        blocks[name] = TokenBlocks.from_stream(rank_of[stream], args.seq_len, limit=limit)
+        blocks[name] = lm_data.TokenBlocks.from_stream(rank_of[stream], args.seq_len, limit=limit)
 
     from transformers import GPT2Config
 

@@ -39,16 +39,16 @@ Run: ``python recipes/benchmarks/bench_e2e.py --out bench-out [--quick] [--devic
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 import types
-from pathlib import Path
 
 import torch
 
-if not __package__:  # run as a file: the repository root holds the `recipes` package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from recipes.benchmarks import common  # noqa: E402
+if __package__:
+    from . import common
+else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+    import common
+
 
 NAME = "bench_e2e"
 SETTINGS = {
@@ -395,63 +395,42 @@ def main(argv=None) -> dict:
 
 
 def render_markdown(env, settings, results):
-    parts = [common.header_markdown("End-to-end training throughput", env, settings), ""]
+    sections = []
     for key in dict.fromkeys(r["setting"] for r in results):
-        s = settings["settings"][key]
         rs = [r for r in results if r["setting"] == key]
-        parts.append(f"## {key}: {s['what']}\n")
-        parts.append(
+        sections.append(f"## {key}: {settings['settings'][key]['what']}\n")
+        sections.append(
             f"V={rs[0]['V']}, batch {rs[0]['batch']} x {rs[0]['block']} tokens, "
             f"{rs[0]['parameters'] / 1e6:.1f}M parameters.\n"
         )
-        parts.append(
-            common.markdown_table(
-                [
-                    {
-                        "case": r["case"],
-                        "tps": f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else r.get("skipped"),
-                        "ms": common.fmt_ms(r.get("step_ms")),
-                        "peak": common.fmt_bytes(r.get("peak_bytes")),
-                        "speed": common.fmt_ratio(r.get("speedup_vs_hf"), 2),
-                        "mem": common.fmt_ratio(r.get("memory_ratio_vs_hf")),
-                        "best": common.fmt_ratio(r.get("speedup_vs_best_exact"), 2),
-                        "build": f"{r['build_s']:.1f} s" if "build_s" in r else "-",
-                        "refresh": f"{r['refresh_s']:.1f} s" if "refresh_s" in r else "-",
-                    }
-                    for r in rs
-                ],
-                [
-                    ("case", "case"),
-                    ("tokens/s", "tps"),
-                    ("step (p50)", "ms"),
-                    ("peak memory", "peak"),
-                    ("speed-up vs hf-full", "speed"),
-                    ("memory vs hf-full", "mem"),
-                    ("vs best exact", "best"),
-                    ("sampler build", "build"),
-                    ("one refresh", "refresh"),
-                ],
-            )
-        )
-        parts.append("")
-    return "\n".join(parts)
+        rows = [{**r, "tps": f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else r.get("skipped")} for r in rs]
+        sections.append(common.markdown_table(rows, [
+            ("case", "case"), ("tokens/s", "tps"), ("step (p50)", "step_ms", common.fmt_ms),
+            ("peak memory", "peak_bytes", common.fmt_bytes), ("speed-up vs hf-full", "speedup_vs_hf", _ratio2),
+            ("memory vs hf-full", "memory_ratio_vs_hf", common.fmt_ratio),
+            ("vs best exact", "speedup_vs_best_exact", _ratio2), ("sampler build", "build_s", _secs),
+            ("one refresh", "refresh_s", _secs),
+        ]))  # fmt: skip
+    return common.report("End-to-end training throughput", env, settings, *sections)
+
+
+def _ratio2(x: float) -> str:
+    return common.fmt_ratio(x, 2)
+
+
+def _secs(x: float) -> str:
+    return f"{x:.1f} s"
 
 
 def plot(out_dir, results):
-    plt = common.pyplot()
     keys = list(dict.fromkeys(r["setting"] for r in results))
-    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    fig, axes = common.subplots(len(keys), 5.5, 4)
+    for ax, key in zip(axes, keys):
         rs = [r for r in results if r["setting"] == key and "tokens_per_s" in r]
-        ax.bar(
-            [r["case"] for r in rs],
-            [r["tokens_per_s"] for r in rs],
-            color=["black" if r["case"] == "hf-full" else "tab:blue" for r in rs],
-        )
-        ax.set_ylabel("training tokens / s")
-        ax.set_title(key)
+        colors = ["black" if r["case"] == "hf-full" else "tab:blue" for r in rs]  # the baseline stands out
+        ax.bar([r["case"] for r in rs], [r["tokens_per_s"] for r in rs], color=colors)
         ax.tick_params(axis="x", rotation=30)
-        ax.grid(True, axis="y", alpha=0.3)
+        common.style(ax, key, "", "training tokens / s", legend=None, grid="y")
     common.save_figure(fig, out_dir, f"{NAME}.png")
 
 

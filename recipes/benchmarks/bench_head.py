@@ -32,18 +32,17 @@ At the head shapes of real models (bf16, T = 8192 on a GPU):
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-if not __package__:  # run as a file: the repository root holds the `recipes` package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from recipes.benchmarks import common  # noqa: E402
+import hf_midx
 
-import hf_midx  # noqa: E402
+if __package__:
+    from . import common
+else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+    import common
 
 NAME = "bench_head"
 SAMPLED = ("midx-rq", "midx-pq", "uniform", "unigram")
@@ -567,29 +566,19 @@ def render_markdown(env, settings, results, builds, targets):
 
 
 def plot(out_dir, results):
-    plt = common.pyplot()
+    exact = ("hf", "torch-chunked", "liger")
     for d in sorted({r["D"] for r in results}):
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        for case in dict.fromkeys(r["case"] for r in results):
-            pts = [
-                (r["V"], r["ms"], r["peak_bytes"]) for r in results if r["case"] == case and r["D"] == d and "ms" in r
-            ]
-            if not pts:
-                continue
-            vs, ms, mem = zip(*pts)
-            style = "-" if case in ("hf", "torch-chunked", "liger") else "--"
-            axes[0].plot(vs, ms, style, marker="o", label=case)
-            axes[1].plot(vs, [b / 2**20 for b in mem], style, marker="o", label=case)
-        for ax, ylabel in zip(axes, ("forward + backward (ms)", "peak memory (MiB)")):
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            ax.set_xlabel("V (classes)")
-            ax.set_ylabel(ylabel)
-            ax.grid(True, which="both", alpha=0.3)
-        axes[0].legend(fontsize=7)
-        axes[0].set_title(f"Head + loss, D={d}")
-        axes[1].set_title("Peak memory of the step")
-        common.save_figure(fig, out_dir, f"{NAME}_D{d}.png")
+        rs = [r for r in results if r["D"] == d and "ms" in r]
+        cases = dict.fromkeys(r["case"] for r in rs)
+        time = {c: [(r["V"], r["ms"]) for r in rs if r["case"] == c] for c in cases}
+        memory = {c: [(r["V"], r["peak_bytes"] / 2**20) for r in rs if r["case"] == c] for c in cases}
+        dashed = [c for c in cases if c not in exact]
+        common.line_plot(out_dir, f"{NAME}_D{d}.png", [
+            dict(series=time, dashed=dashed, title=f"Head + loss, D={d}", xlabel="V (classes)",
+                 ylabel="forward + backward (ms)"),
+            dict(series=memory, dashed=dashed, title="Peak memory of the step", xlabel="V (classes)",
+                 ylabel="peak memory (MiB)", legend=None),
+        ])  # fmt: skip
 
 
 if __name__ == "__main__":

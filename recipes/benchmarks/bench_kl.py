@@ -39,37 +39,29 @@ from __future__ import annotations
 
 import math
 import shlex
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-if not __package__:  # run as a file: the repository root holds the `recipes` package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from recipes.benchmarks import common  # noqa: E402
+import hf_midx
+from hf_midx import LearnableCodebooks
+from hf_midx.diagnostics import proposal_diagnostics
 
-import hf_midx  # noqa: E402
-from hf_midx import LearnableCodebooks  # noqa: E402
-from hf_midx.diagnostics import proposal_diagnostics  # noqa: E402
+if __package__:
+    from . import common
+else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+    import common
 
 NAME = "bench_kl"
 MIDX = ("midx-rq", "midx-pq", "midx-exact")
 PAPER_LEARNED = {"midx-pq": (2.2421, 1.6625), "midx-rq": (1.5551, 1.2905)}  # KL k-means -> learned (PTB, LSTM)
-#: Issue 9's proposals: name -> (sampler, build_sampler options, exact-head size H). Same names as compare_samplers.
-VARIANTS = {
-    "midx-rq-mix": ("midx-rq", {"mix_weight": 0.5, "mix_static": "unigram"}, 0),
-    "midx-rq-mix-uniform": ("midx-rq", {"mix_weight": 0.5, "mix_static": "uniform"}, 0),
-    "midx-rq-frequency": ("midx-rq", {"last_stage": "frequency"}, 0),
-    "midx-rq-frequency-mix": ("midx-rq", {"last_stage": "frequency", "mix_weight": 0.5}, 0),
-    "midx-rq-head2k": ("midx-rq", {"mix_weight": 0.5}, 2048),
-    "midx-rq-head2k-nomix": ("midx-rq", {}, 2048),
-    "midx-rq-head2k-frequency-mix": ("midx-rq", {"last_stage": "frequency", "mix_weight": 0.5}, 2048),
-    "midx-rq-head512": ("midx-rq", {"mix_weight": 0.5}, 512),
-    "midx-rq-head1k": ("midx-rq", {"mix_weight": 0.5}, 1024),
-    "midx-rq-head4k": ("midx-rq", {"mix_weight": 0.5}, 4096),
-    "unigram-head2k": ("unigram", {}, 2048),
-}
+#: The variants of issue 9 measured by default (common.VARIANTS: MidxConfig overrides), at --plot_k.
+VARIANTS = (
+    "midx-rq-mix", "midx-rq-mix-uniform", "midx-rq-frequency", "midx-rq-frequency-mix", "midx-rq-head2k",
+    "midx-rq-head2k-nomix", "midx-rq-head2k-frequency-mix", "midx-rq-head512", "midx-rq-head1k", "midx-rq-head4k",
+    "unigram-head2k",
+)  # fmt: skip
 DIAGNOSTICS = ("kl_qp", "kl_pq", "ess", "ess_sampled", "mass_p_over_q_gt_10")
 
 
@@ -105,7 +97,7 @@ def parse_args(argv=None):
     p.add_argument("--learn_queries", type=int, default=64, help="queries per step in the KL term (kl_queries)")
     p.add_argument("--plot_k", type=int, default=None, help="K of the cumulative-distribution plot (default 32)")
     p.add_argument(
-        "--samplers", nargs="+", default=None, help="default: all of hf_midx.SAMPLERS and the VARIANTS of issue 9"
+        "--samplers", nargs="+", default=None, help="default: all of hf_midx.SAMPLERS and issue 9's VARIANTS; any of common.VARIANTS"
     )
     p.add_argument(
         "--estimator",
@@ -254,22 +246,13 @@ def train_model(args, out_dir: Path, files: dict) -> str:
 
 # ---------------------------------------------------------------------------- measurements
 def build(name: str, weight, counts, k: int, seed: int, rq=None):
-    if name in VARIANTS:
-        base, options, head = VARIANTS[name]
-        exclude = None
-        if head:
-            head = min(head, weight.shape[0] // 4)  # small vocabularies (--quick): a quarter of the classes
-            exclude = torch.sort(torch.argsort(counts.double(), descending=True, stable=True)[:head]).values
-        return hf_midx.build_sampler(
-            base, weight, codebook_size=k, class_counts=counts, seed=seed, exclude=exclude, **options
-        )
     if name == "midx-exact" and rq is not None:
         smp = hf_midx.build_sampler(name, weight, codebook_size=k, seed=seed, kmeans_iters=0)
         state = rq.state_dict()
         state["embeddings"] = weight
         smp.load_state_dict(state)
         return smp
-    return hf_midx.build_sampler(name, weight, codebook_size=k, class_counts=counts, seed=seed)
+    return common.build_sampler(name, weight, counts, codebook_size=k, seed=seed)
 
 
 def measure(smp, src: dict, s_idx, g_idx, log_p, full_grads, args) -> dict:
@@ -357,7 +340,7 @@ def run_source(label: str, src: dict, args, samplers, ks) -> dict:
     results, mean_q = [], {}
     mean_p = log_p.exp().mean(0)
     for name in samplers:
-        for k in ks if name in MIDX else [args.plot_k if name in VARIANTS else None]:
+        for k in ks if name in MIDX else [args.plot_k if name in common.VARIANTS else None]:
             t0 = time.perf_counter()
             rq = None
             if name == "midx-exact":
@@ -439,9 +422,9 @@ def main(argv=None) -> dict:
     if args.learn_k not in ks:
         args.learn_k = ks[-1] if q else args.learn_k
     samplers = args.samplers or [*hf_midx.SAMPLERS, *VARIANTS]
-    unknown = sorted(set(samplers) - set(hf_midx.SAMPLERS) - set(VARIANTS))
+    unknown = sorted(set(samplers) - set(hf_midx.SAMPLERS) - set(common.VARIANTS))
     if unknown:
-        raise SystemExit(f"unknown sampler(s) {unknown}; choose from {', '.join([*hf_midx.SAMPLERS, *VARIANTS])}.")
+        raise SystemExit(f"unknown sampler(s) {unknown}; choose from {', '.join([*hf_midx.SAMPLERS, *common.VARIANTS])}.")
     args.estimator = args.estimator or hf_midx.MidxConfig().estimator
     ppl = None
     if args.ppl_json:

@@ -13,19 +13,18 @@ Run: ``python recipes/benchmarks/bench_refresh.py --out bench-out [--quick]``; a
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-if not __package__:  # run as a file: the repository root holds the `recipes` package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from recipes.benchmarks import common  # noqa: E402
+import hf_midx
+from hf_midx import quantizers
+from hf_midx.diagnostics import proposal_diagnostics
 
-import hf_midx  # noqa: E402
-from hf_midx import quantizers  # noqa: E402
-from hf_midx.diagnostics import proposal_diagnostics  # noqa: E402
+if __package__:
+    from . import common
+else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+    import common
 
 NAME = "bench_refresh"
 SCALES = (0.5, 1.0, 2.0)  # query norms relative to a class embedding's: flat to peaked softmax

@@ -1,7 +1,7 @@
 """Sampling time vs number of classes (the paper's "Sampling Time vs #Class"), and index build time.
 
 For every sampler of ``hf_midx.SAMPLERS`` (and, named with ``--samplers``, the MIDX variants of issue 9 in
-``VARIANTS``: the defensive unigram mixture, the frequency last stage), the time of ``sampler.sample(queries, M)`` (M = 100 draws
+``common.VARIANTS``: the defensive unigram mixture, the frequency last stage), the time of ``sampler.sample(queries, M)`` (M = 100 draws
 and their log-probabilities for each of T = 256 and T = 2048 queries) as V grows from 10k to 1M,
 with K = 64 codewords. The build (k-means, tables) is not in that time; it is reported on its own,
 for the torch and the faiss k-means and for residual (rq) and product (pq) quantization.
@@ -20,30 +20,22 @@ Run: ``python recipes/benchmarks/bench_sampling.py --out bench-out [--quick] [--
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-if not __package__:  # run as a file: the repository root holds the `recipes` package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from recipes.benchmarks import common  # noqa: E402
+import hf_midx
+from hf_midx import MidxIndex
 
-import hf_midx  # noqa: E402
-from hf_midx import MidxIndex  # noqa: E402
+if __package__:
+    from . import common
+else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+    import common
 
 NAME = "bench_sampling"
 EXHAUSTIVE = ("sphere", "rff", "midx-exact")
 WIKITEXT2_V = 33278
 FLAT_TARGET = 1.3
-#: Issue 9's MIDX variants: name -> (sampler, options); measured beside the registered samplers.
-VARIANTS = {
-    "midx-rq-mix": ("midx-rq", {"mix_weight": 0.5, "mix_static": "unigram"}),
-    "midx-rq-frequency": ("midx-rq", {"last_stage": "frequency"}),
-}
-
-
 def parse_args(argv=None):
     p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument(
@@ -59,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--codebook_size", type=int, default=64, help="K")
     p.add_argument("--kmeans_iters", type=int, default=None, help="Lloyd iterations per codebook (default 20; quick 5)")
     p.add_argument(
-        "--samplers", nargs="+", default=None, help=f"default: all of hf_midx.SAMPLERS; also {', '.join(VARIANTS)}"
+        "--samplers", nargs="+", default=None, help="default: all of hf_midx.SAMPLERS; also common.VARIANTS such as midx-rq-mix, midx-rq-frequency"
     )
     p.add_argument(
         "--exhaustive_max_v",
@@ -262,9 +254,9 @@ def build(name, emb, counts, k, args, built):
         state["embeddings"] = emb
         smp.load_state_dict(state)
         return smp
-    name, extra = VARIANTS.get(name, (name, {}))
-    opts = {"kmeans_iters": args.kmeans_iters, **extra} if name.startswith("midx") else {}
-    return hf_midx.build_sampler(name, emb, codebook_size=k, class_counts=counts, seed=args.seed, **opts)
+    base = common.VARIANTS.get(name, {}).get("sampler", name)
+    opts = {"kmeans_iters": args.kmeans_iters} if base.startswith("midx") else {}
+    return common.build_sampler(name, emb, counts, codebook_size=k, seed=args.seed, **opts)
 
 
 def summarize(results, vocab, queries, samplers):
@@ -299,9 +291,8 @@ def summarize(results, vocab, queries, samplers):
 
 
 def render_markdown(env, settings, results, builds, summary, vocab, queries, samplers):
-    parts = [common.header_markdown("Sampling time vs number of classes", env, settings), ""]
+    sections = []
     for t in queries:
-        parts.append(f"## {settings['num_samples']} draws for each of {t} queries (p50 of repeats)\n")
         table = []
         for name in samplers:
             rec = {"sampler": name}
@@ -309,100 +300,68 @@ def render_markdown(env, settings, results, builds, summary, vocab, queries, sam
                 r = next((x for x in results if x["sampler"] == name and x["V"] == v and x["T"] == t), None)
                 rec[str(v)] = "-" if r is None else ("skipped" if "skipped" in r else common.fmt_ms(r["ms"]))
             f = next((x for x in summary["flatness"] if x["sampler"] == name and x["T"] == t), None)
-            rec["ratio"] = common.fmt_ratio(f["ratio"], 2) if f else "-"
+            rec["ratio"] = f and f["ratio"]
             table.append(rec)
-        parts.append(
-            common.markdown_table(
-                table, [("sampler", "sampler")] + [(f"V={v}", str(v)) for v in vocab] + [("t(Vmax)/t(Vmin)", "ratio")]
-            )
-        )
-        parts.append("")
+        columns = [("sampler", "sampler"), *((f"V={v}", str(v)) for v in vocab), ("t(Vmax)/t(Vmin)", "ratio", _ratio)]
+        sections.append(f"## {settings['num_samples']} draws for each of {t} queries (p50 of repeats)\n")
+        sections.append(common.markdown_table(table, columns))
     if any("skipped" in r for r in results):
-        parts.append(f"'skipped': the exhaustive O(V) baselines ran only up to V = {settings['exhaustive_max_v']}.\n")
-    parts.append("## Flatness of MIDX (target t(1M)/t(10k) <= 1.3)\n")
-    parts.append(
-        common.markdown_table(
-            [{**f, "r": f"{f['ratio']:.2f}"} for f in summary["flatness"] if "status" in f],
-            [
-                ("sampler", "sampler"),
-                ("T", "T"),
-                ("V range", "V_min"),
-                ("to", "V_max"),
-                ("ratio", "r"),
-                ("status", "status"),
-            ],
-        )
-    )
-    parts.append("")
-    parts.append(f"## Cost per 1,000 queries ({settings['num_samples']} draws each, measured in batches of T)\n")
-    parts.append(
-        common.markdown_table(
-            [{**p, "c": common.fmt_ms(p["ms_per_1000_queries"])} for p in summary["per_1000_queries"]],
-            [("sampler", "sampler"), ("V", "V"), ("batch T", "T"), ("time per 1,000 queries", "c")],
-        )
-    )
-    parts.append("")
-    parts.append("## Build time (not in the sampling time)\n")
+        sections.append(f"'skipped': the exhaustive O(V) baselines ran only up to V = {settings['exhaustive_max_v']}.")
     idx = [b for b in builds if b["sampler"].startswith("index-")]
-    parts.append(
+    secs = lambda x: f"{x:.2f} s"  # noqa: E731
+    return common.report(
+        "Sampling time vs number of classes",
+        env,
+        settings,
+        *sections,
+        "## Flatness of MIDX (target t(1M)/t(10k) <= 1.3)\n",
         common.markdown_table(
-            [{**b, "s": f"{b['build_s']:.2f} s", "dist": f"{b['distortion']:.4f}"} for b in idx],
-            [
-                ("V", "V"),
-                ("quantizer", "quantizer"),
-                ("k-means", "backend"),
-                ("build", "s"),
-                ("distortion", "dist"),
-                ("non-empty buckets", "nonempty_buckets"),
-            ],
-        )
-    )
-    parts.append(
-        "\nfaiss k-means trains on at most 256 K points (its default sampling), then every class is "
-        "assigned in torch; torch k-means uses every class.\n"
-    )
-    smp_b = [b for b in builds if not b["sampler"].startswith("index-")]
-    parts.append("Sampler construction (what `build_sampler` costs, k-means included for MIDX):\n")
-    parts.append(
+            [f for f in summary["flatness"] if "status" in f],
+            [("sampler", "sampler"), ("T", "T"), ("V range", "V_min"), ("to", "V_max"), ("ratio", "ratio", ".2f"),
+             ("status", "status")],
+        ),  # fmt: skip
+        f"## Cost per 1,000 queries ({settings['num_samples']} draws each, measured in batches of T)\n",
         common.markdown_table(
-            [{**b, "s": f"{b['build_s']:.2f} s"} for b in smp_b],
-            [("V", "V"), ("sampler", "sampler"), ("build", "s"), ("note", "note")],
-        )
+            summary["per_1000_queries"],
+            [("sampler", "sampler"), ("V", "V"), ("batch T", "T"), ("time per 1,000 queries", "ms_per_1000_queries", common.fmt_ms)],
+        ),
+        "## Build time (not in the sampling time)\n",
+        common.markdown_table(
+            idx,
+            [("V", "V"), ("quantizer", "quantizer"), ("k-means", "backend"), ("build", "build_s", secs),
+             ("distortion", "distortion", ".4f"), ("non-empty buckets", "nonempty_buckets")],
+        ),  # fmt: skip
+        "faiss k-means trains on at most 256 K points (its default sampling), then every class is "
+        "assigned in torch; torch k-means uses every class.\n",
+        "Sampler construction (what `build_sampler` costs, k-means included for MIDX):\n",
+        common.markdown_table(
+            [b for b in builds if not b["sampler"].startswith("index-")],
+            [("V", "V"), ("sampler", "sampler"), ("build", "build_s", secs), ("note", "note")],
+        ),
     )
-    return "\n".join(parts)
+
+
+def _ratio(x: float) -> str:
+    return common.fmt_ratio(x, 2)
 
 
 def plot(out_dir, results, builds, queries, samplers, m):
-    plt = common.pyplot()
-    fig, axes = plt.subplots(1, len(queries), figsize=(6 * len(queries), 4.5), squeeze=False)
-    for ax, t in zip(axes[0], queries):
-        for name in samplers:
-            pts = sorted((r["V"], r["ms"]) for r in results if r["sampler"] == name and r["T"] == t and "ms" in r)
-            if pts:
-                vs, ms = zip(*pts)
-                ax.plot(vs, ms, "-" if name.startswith("midx") else "--", marker="o", label=name)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("V (classes)")
-        ax.set_ylabel("ms per call")
-        ax.set_title(f"Sampling time vs #class (T={t}, M={m})")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    common.save_figure(fig, out_dir, f"{NAME}_time.png")
-    fig, ax = plt.subplots(figsize=(6, 4.5))
+    common.line_plot(out_dir, f"{NAME}_time.png", [
+        dict(
+            series={n: [(r["V"], r["ms"]) for r in results if r["sampler"] == n and r["T"] == t and "ms" in r]
+                    for n in samplers},
+            dashed=[n for n in samplers if not n.startswith("midx")],
+            title=f"Sampling time vs #class (T={t}, M={m})", xlabel="V (classes)", ylabel="ms per call",
+        )
+        for t in queries
+    ])  # fmt: skip
     idx = [b for b in builds if b["sampler"].startswith("index-")]
-    for key in dict.fromkeys((b["quantizer"], b["backend"]) for b in idx):
-        pts = sorted((b["V"], b["build_s"]) for b in idx if (b["quantizer"], b["backend"]) == key)
-        vs, s = zip(*pts)
-        ax.plot(vs, s, marker="o", label=f"{key[0]} / {key[1]} k-means")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("V (classes)")
-    ax.set_ylabel("index build (s)")
-    ax.set_title("Index build time")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    common.save_figure(fig, out_dir, f"{NAME}_build.png")
+    series = {}
+    for b in idx:
+        series.setdefault(f"{b['quantizer']} / {b['backend']} k-means", []).append((b["V"], b["build_s"]))
+    common.line_plot(out_dir, f"{NAME}_build.png", [
+        dict(series=series, title="Index build time", xlabel="V (classes)", ylabel="index build (s)", legend=8)
+    ])  # fmt: skip
 
 
 if __name__ == "__main__":

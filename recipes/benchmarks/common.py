@@ -44,29 +44,33 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------- command line
-def base_parser(description: str) -> argparse.ArgumentParser:
-    """The flags every benchmark takes; scripts add their own."""
+def base_parser(description: str, *, timed: bool = True, seed: bool = True, plots: bool = True) -> argparse.ArgumentParser:
+    """The flags every benchmark takes; scripts add their own. ``timed=False``: a script that reads runs
+    instead of timing (no --quick, --smoke, --device, --warmup, --repeats)."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="bench-out", help="output folder for <name>.json, <name>.md and the PNG plots")
-    p.add_argument("--quick", action="store_true", help="small sizes and few repeats (about a minute on 2 CPU cores)")
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny sizes for the test suite: checks that everything runs and writes its files; implies "
-        "--quick; the numbers mean nothing",
-    )
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default: 1, quick: 1)")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per case (default: 5, quick: 2)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no_plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    if timed:
+        p.add_argument("--quick", action="store_true", help="small sizes and few repeats (about a minute on 2 CPU cores)")
+        p.add_argument(
+            "--smoke",
+            action="store_true",
+            help="tiny sizes for the test suite: checks that everything runs and writes its files; implies "
+            "--quick; the numbers mean nothing",
+        )
+        p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
+        p.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default: 1, quick: 1)")
+        p.add_argument("--repeats", type=int, default=None, help="timed calls per case (default: 5, quick: 2)")
+    if seed:
+        p.add_argument("--seed", type=int, default=0)
+    if plots:
+        p.add_argument("--no_plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     return p
 
 
 def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """``parser.parse_args`` with ``--smoke`` implying ``--quick``."""
     args = parser.parse_args(argv)
-    if args.smoke:
+    if getattr(args, "smoke", False):
         args.quick = True
     return args
 
@@ -131,11 +135,12 @@ def device_name(device: torch.device) -> str:
 
 
 def _version(module: str) -> str | None:
-    try:
-        from importlib.metadata import version  # noqa: PLC0415
+    """An optional package's version (faiss, Liger): hf_midx.versions() lists only what a run needs."""
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
 
+    try:
         return version(module)
-    except Exception:  # noqa: BLE001 - not installed
+    except PackageNotFoundError:
         return None
 
 
@@ -143,14 +148,15 @@ def environment(device: torch.device) -> dict[str, Any]:
     """Device, library versions, git commit and time: stored in every JSON and printed first."""
     import hf_midx  # noqa: PLC0415
 
+    versions = hf_midx.versions()
     env = {
         "device_type": device.type,
         "device": device_name(device),
-        "python": platform.python_version(),
+        "python": versions["python"],
         "platform": platform.platform(),
-        "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "hf_midx": hf_midx.__version__,
+        "torch": versions.get("torch", torch.__version__),
+        "transformers": versions.get("transformers"),
+        "hf_midx": versions["hf_midx"],
         "faiss": _version("faiss-cpu") or _version("faiss-gpu") or _version("faiss"),
         "liger_kernel": _version("liger-kernel"),
         "cuda": torch.version.cuda,
@@ -217,6 +223,68 @@ def zipf_counts(v: int, tokens: float = 1e6, generator: torch.Generator | None =
     p = 1.0 / torch.arange(1, v + 1, dtype=torch.float64)
     counts = (p / p.sum() * tokens).floor()
     return counts if generator is None else counts[torch.randperm(v, generator=generator)]
+
+
+def zipf_labels(counts: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(n,) int64 labels drawn i.i.d. in proportion to ``counts`` + 1 (every class can occur)."""
+    return torch.multinomial(counts.float() + 1, n, replacement=True, generator=generator)
+
+
+# ---------------------------------------------------------------------------- variants
+#: Benchmark-only proposals, one name for one configuration in every script: ``MidxConfig`` overrides,
+#: the fields left out keep ``MidxConfig()``'s values (a 50 % unigram mixture, an exact head of 2,048,
+#: the corrected-positive estimator). A variant that does not want the head says ``exact_head=0``, since
+#: a name without "head" in it has none. compare_samplers passes each override to the recipe as
+#: ``--field value``; bench_kl and bench_sampling build the sampler from them (:func:`build_sampler`).
+VARIANTS: dict[str, dict[str, Any]] = {
+    # midx-rq before issue 9: the positive's logit exact, no defensive mixture, no exact head.
+    "midx-rq-paper": dict(sampler="midx-rq", estimator="exact-positive", mix_weight=0.0, exact_head=0),
+    "midx-rq-learned": dict(sampler="midx-rq", codebooks="learned"),
+    "midx-rq-shared": dict(sampler="midx-rq", negatives="shared"),  # num_samples: the script's --pool_size
+    "midx-rq-nomix": dict(sampler="midx-rq", mix_weight=0.0),
+    "midx-rq-mix": dict(sampler="midx-rq", exact_head=0),
+    "midx-rq-mix-uniform": dict(sampler="midx-rq", mix_static="uniform", exact_head=0),
+    "midx-rq-frequency": dict(sampler="midx-rq", last_stage="frequency", mix_weight=0.0, exact_head=0),
+    "midx-rq-frequency-mix": dict(sampler="midx-rq", last_stage="frequency", exact_head=0),
+    "midx-rq-head2k": dict(sampler="midx-rq", exact_head=2048),
+    "midx-rq-head2k-nomix": dict(sampler="midx-rq", mix_weight=0.0, exact_head=2048),
+    "midx-rq-head2k-frequency-mix": dict(sampler="midx-rq", last_stage="frequency", exact_head=2048),
+    "midx-rq-head512": dict(sampler="midx-rq", exact_head=512),
+    "midx-rq-head1k": dict(sampler="midx-rq", exact_head=1024),
+    "midx-rq-head4k": dict(sampler="midx-rq", exact_head=4096),
+    "unigram-head2k": dict(sampler="unigram", exact_head=2048),
+    "unigram-exact-positive": dict(sampler="unigram", estimator="exact-positive"),
+}
+#: The MidxConfig fields a sampler built on its own takes; the others only matter to a training run.
+_SAMPLER_FIELDS = ("sampler", "exact_head", "mix_weight", "mix_static", "last_stage")
+
+
+def variant_flags(name: str) -> list[str]:
+    """The recipe flags of a variant (``--field value``), without ``--sampler``."""
+    return [a for k, v in VARIANTS[name].items() if k != "sampler" for a in (f"--{k}", str(v))]
+
+
+def build_sampler(name: str, weight: torch.Tensor, counts: torch.Tensor, *, codebook_size: int, seed: int, **options):
+    """``hf_midx.build_sampler`` for a registered name or a :data:`VARIANTS` entry over the (V, D) ``weight``.
+
+    A variant's exact head is its H most frequent classes by ``counts``, at most V/4 (so that a
+    small test vocabulary keeps a tail to sample), excluded from the proposal.
+    """
+    import hf_midx  # noqa: PLC0415
+
+    if name not in VARIANTS:
+        return hf_midx.build_sampler(name, weight, codebook_size=codebook_size, class_counts=counts, seed=seed, **options)
+    training_only = sorted(set(VARIANTS[name]) - set(_SAMPLER_FIELDS))
+    if training_only:
+        raise SystemExit(f"{name} sets {training_only}, which only a training run uses (compare_samplers.py).")
+    config = hf_midx.MidxConfig(**VARIANTS[name])
+    if config.sampler.startswith("midx"):
+        options = {"mix_weight": config.mix_weight, "mix_static": config.mix_static, "last_stage": config.last_stage, **options}
+    head = min(config.exact_head, weight.shape[0] // 4)
+    exclude = torch.sort(torch.argsort(counts.double(), descending=True, stable=True)[:head]).values if head else None
+    return hf_midx.build_sampler(
+        config.sampler, weight, codebook_size=codebook_size, class_counts=counts, seed=seed, exclude=exclude, **options
+    )
 
 
 def sync(device: torch.device) -> None:
@@ -369,13 +437,26 @@ def fmt_ratio(x: float | None, digits: int = 1) -> str:
     return f"{x:.{digits}f}x"
 
 
-def markdown_table(rows: Iterable[dict], columns: Sequence[tuple[str, str]]) -> str:
-    """A GitHub table; ``columns`` are (header, key) pairs; missing values print as '-'."""
-    rows = list(rows)
-    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
+def markdown_table(rows: Iterable[dict], columns: Sequence[tuple]) -> str:
+    """A GitHub table; ``columns`` are (header, key) or (header, key, format) triples, ``format`` applied
+    to the value (a callable, or a format spec such as ``".2f"``); missing values print as '-'."""
+    lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
     for r in rows:
-        lines.append("| " + " | ".join(str(r.get(k, "-")) if r.get(k) is not None else "-" for _, k in columns) + " |")
+        lines.append("| " + " | ".join(_cell(r.get(c[1]), *c[2:]) for c in columns) + " |")
     return "\n".join(lines)
+
+
+def _cell(value: Any, fmt: Any = None) -> str:
+    if value is None:
+        return "-"
+    if fmt is None:
+        return str(value)
+    return fmt(value) if callable(fmt) else format(value, fmt)
+
+
+def report(title: str, env: dict, settings: dict, *sections: str) -> str:
+    """A benchmark's Markdown: the header, then its sections (headings, tables, notes) a blank line apart."""
+    return "\n\n".join([header_markdown(title, env, settings), *(s.strip("\n") for s in sections if s)]) + "\n"
 
 
 def header_markdown(name: str, env: dict, settings: dict) -> str:
@@ -427,6 +508,40 @@ def pyplot():
     return plt
 
 
+def subplots(panels: int = 1, width: float = 6, height: float = 4.5):
+    """A figure of ``panels`` side by side, each ``width`` x ``height`` inches; returns (fig, list of axes)."""
+    fig, axes = pyplot().subplots(1, panels, figsize=(width * panels, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+def style(ax, title: str, xlabel: str, ylabel: str, *, log: str = "", legend: float | None = 7, grid: str = "both"):
+    """The one look of every benchmark plot: labels, log axes (``log`` in "x", "y", "xy"), grid, legend."""
+    if "x" in log:
+        ax.set_xscale("log")
+    if "y" in log:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", axis=grid if grid in ("x", "y") else "both", alpha=0.3)
+    if legend:
+        ax.legend(fontsize=legend)
+
+
+def line_plot(out_dir: str | Path, filename: str, panels: Sequence[dict], *, width: float = 6, height: float = 4.5) -> Path:
+    """One PNG of line-plot panels: each panel a dict of ``series`` ({label: [(x, y), ...]}, drawn
+    with markers; a label in ``dashed`` is drawn dashed), ``title``, ``xlabel``, ``ylabel`` and
+    optionally ``log`` and ``legend`` (see :func:`style`)."""
+    fig, axes = subplots(len(panels), width, height)
+    for ax, panel in zip(axes, panels):
+        for label, points in panel["series"].items():
+            if points:
+                xs, ys = zip(*sorted(points))
+                ax.plot(xs, ys, "--" if label in panel.get("dashed", ()) else "-", marker="o", label=label)
+        style(ax, panel["title"], panel["xlabel"], panel["ylabel"], log=panel.get("log", "xy"), legend=panel.get("legend", 7))
+    return save_figure(fig, out_dir, filename)
+
+
 def save_figure(fig, out_dir: str | Path, filename: str) -> Path:
     path = Path(out_dir) / filename
     fig.tight_layout()
@@ -451,7 +566,13 @@ SAMPLE_DATA_DIR = RECIPES_DIR / "data" / "wikitext2_sample"
 
 
 def import_recipe(name: str):
-    """Import ``recipes/<name>.py`` as ``recipes.<name>`` (the repository root goes on sys.path if needed)."""
+    """Import ``recipes/<name>.py`` as ``recipes.<name>``.
+
+    The one ``sys.path`` edit of the benchmarks: a script run as a file (``python
+    recipes/benchmarks/bench_kl.py``) has only its own folder on the path, and a relative import cannot
+    climb above the top-level package it was not imported from, so the repository root, which holds
+    the ``recipes`` package, goes on the path here (once) when it is not there already.
+    """
     import importlib  # noqa: PLC0415
 
     if str(REPO_ROOT) not in sys.path:

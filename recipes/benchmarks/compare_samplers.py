@@ -28,7 +28,7 @@ runs and the plotted curves use the first seed).
 Profiles (``--profile``) fix the settings of issue 9's quality benchmark: ``cpu-quick`` (400 steps of
 the paper's model, the issue's acceptance run, at equal steps; equal wall-clock off) and ``gpu-3epochs``
 (3 epochs, 3 seeds, equal wall-clock on). Both compare the full softmax, the static unigram proposal,
-midx-rq as it was before issue 9 (``midx-rq-paper``: exact positive, no mixture), the current default
+midx-rq as it was before issue 9 (``midx-rq-paper``: exact positive, no mixture, no exact head), the current default
 ``midx-rq``, each new variant, and the non-sampling ``adaptive-softmax`` (torch's
 ``nn.AdaptiveLogSoftmaxWithLoss`` on the same model, trained by ``adaptive_softmax.py``).
 
@@ -53,9 +53,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-if not __package__:  # run as a file: the repository root holds the `recipes` package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from recipes.benchmarks import common  # noqa: E402
+if __package__:
+    from . import common
+else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+    import common
+
 
 NAME = "compare_samplers"
 DEFAULT_SAMPLERS = (
@@ -81,19 +83,6 @@ PAPER_PPL = {
     "midx-pq": 199.7429,
     "midx-rq": 180.9055,
     "midx-rq-paper": 180.9055,  # the paper's midx-rq itself: exact positive, no mixture
-}
-#: Benchmark-only names: a sampler plus recipe flags (appended last, so they win over the shared flags).
-VARIANTS = {
-    "midx-rq-learned": ("midx-rq", ["--codebooks", "learned"]),
-    "midx-rq-shared": ("midx-rq", ["--negatives", "shared", "--num_samples", "{pool_size}"]),
-    # midx-rq before issue 9: the positive's logit exact, no defensive mixture.
-    "midx-rq-paper": ("midx-rq", ["--estimator", "exact-positive", "--mix_weight", "0"]),
-    "midx-rq-nomix": ("midx-rq", ["--mix_weight", "0"]),
-    "midx-rq-mix-uniform": ("midx-rq", ["--mix_static", "uniform"]),
-    "midx-rq-frequency": ("midx-rq", ["--last_stage", "frequency", "--mix_weight", "0"]),
-    "midx-rq-frequency-mix": ("midx-rq", ["--last_stage", "frequency"]),
-    "midx-rq-head2k": ("midx-rq", ["--exact_head", "2048"]),
-    "unigram-exact-positive": ("unigram", ["--estimator", "exact-positive"]),
 }
 #: The non-sampling baseline, trained by adaptive_softmax.py instead of the recipe.
 ADAPTIVE = "adaptive-softmax"
@@ -131,7 +120,7 @@ def parse_args(argv=None):
         nargs="+",
         default=list(DEFAULT_SAMPLERS),
         help="'full', any hf_midx sampler, a variant (sampler + flags: "
-        + ", ".join(VARIANTS)
+        + ", ".join(common.VARIANTS)
         + f") or '{ADAPTIVE}' (torch's AdaptiveLogSoftmaxWithLoss, no sampling)",
     )
     p.add_argument("--epochs", type=float, default=1.0, help="epochs of the equal-epochs comparison")
@@ -214,8 +203,10 @@ def parse_args(argv=None):
 def recipe_argv(
     args, files, out_dir: Path, sampler: str, *, epochs=None, max_steps=None, every=1, refresh_every=0
 ) -> list[str]:
-    name, extra = VARIANTS.get(sampler, (sampler, []))
-    extra = [a.format(pool_size=args.pool_size) for a in extra]
+    variant = common.VARIANTS.get(sampler, {"sampler": sampler})
+    name, extra = variant["sampler"], common.variant_flags(sampler) if sampler in common.VARIANTS else []
+    if variant.get("negatives") == "shared":
+        extra += ["--num_samples", str(args.pool_size)]
     argv = ["--train_file", str(files["train"]), "--validation_file", str(files["validation"])]
     if "test" in files:
         argv += ["--test_file", str(files["test"])]
@@ -466,11 +457,11 @@ def main(argv=None) -> dict:
         print(data_note)
     if args.max_steps is not None and args.max_steps < 1:
         raise SystemExit(f"--max_steps must be >= 1, got {args.max_steps}.")
-    known = {"full", ADAPTIVE, *VARIANTS, *_sampler_names()}
+    known = {"full", ADAPTIVE, *common.VARIANTS, *_sampler_names()}
     unknown = [s for s in args.samplers if s not in known]
     if unknown:
         raise SystemExit(
-            f"unknown sampler(s) {unknown}; choose from full, {ADAPTIVE}, {', '.join(VARIANTS)}, "
+            f"unknown sampler(s) {unknown}; choose from full, {ADAPTIVE}, {', '.join(common.VARIANTS)}, "
             f"{', '.join(_sampler_names())}."
         )
     stray = sorted(set(args.wall_clock_samplers or ()) - set(args.samplers))
@@ -749,34 +740,20 @@ def _vs(run: dict, full: dict) -> str:
 
 
 def plot(out_dir, equal_epochs, wall, order, budget):
-    plt = common.pyplot()
     panels = [("equal epochs", equal_epochs)] + ([("equal wall-clock", wall)] if wall else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
-    for ax, (title, runs) in zip(axes[0], panels):
+    fig, axes = common.subplots(len(panels), 6.5, 4.8)
+    for ax, (title, runs) in zip(axes, panels):
         for s in order:
-            pts = [
-                (p["train_time_s"], p["valid_perplexity"])
-                for p in runs.get(s, {}).get("curve", [])
-                if p["train_time_s"] is not None and math.isfinite(p["valid_perplexity"])
-            ]
+            curve = runs.get(s, {}).get("curve", [])
+            pts = [(p["train_time_s"], p["valid_perplexity"]) for p in curve
+                   if p["train_time_s"] is not None and math.isfinite(p["valid_perplexity"])]  # fmt: skip
             if pts:
-                xs, ys = zip(*pts)
-                ax.plot(
-                    xs,
-                    ys,
-                    marker="o",
-                    linewidth=2.5 if s == "full" else 1.3,
-                    color="black" if s == "full" else None,
-                    label=s,
-                )
+                full = s == "full"  # the baseline stands out
+                ax.plot(*zip(*pts), marker="o", linewidth=2.5 if full else 1.3, color="black" if full else None, label=s)
         if budget and title == "equal wall-clock":
             ax.axvline(budget, color="grey", linestyle=":", linewidth=1)
-        ax.set_yscale("log")
-        ax.set_xlabel("training time (s, evaluation excluded)")
-        ax.set_ylabel("validation perplexity (exact)")
-        ax.set_title(f"WikiText-2, {title}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        common.style(ax, f"WikiText-2, {title}", "training time (s, evaluation excluded)",
+                     "validation perplexity (exact)", log="y")  # fmt: skip
     common.save_figure(fig, out_dir, f"{NAME}_valid_ppl.png")
 
 

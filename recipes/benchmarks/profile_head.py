@@ -11,17 +11,17 @@ Run: ``python recipes/benchmarks/profile_head.py --out bench-out [--device cuda]
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 
-if not __package__:  # run as a file: the repository root holds the `recipes` package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from recipes.benchmarks import common  # noqa: E402
-from recipes.benchmarks.bench_head import MODEL_SHAPES  # noqa: E402
+import hf_midx
 
-import hf_midx  # noqa: E402
+if __package__:
+    from . import common
+    from .bench_head import MODEL_SHAPES
+else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+    import common
+    from bench_head import MODEL_SHAPES
 
 NAME = "profile_head"
 

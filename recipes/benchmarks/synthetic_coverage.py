@@ -25,20 +25,19 @@ Run: ``python recipes/benchmarks/synthetic_coverage.py RUN_DIR --out results/cpu
 
 from __future__ import annotations
 
-import argparse
-import math
-import sys
 from pathlib import Path
 
 import torch
 
-if not __package__:  # run as a file: the repository root holds the `recipes` package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from recipes.benchmarks import common  # noqa: E402
-from recipes.synthetic import ZipfMarkovChain  # noqa: E402
+import hf_midx
+from hf_midx.diagnostics import proposal_diagnostics
 
-import hf_midx  # noqa: E402
-from hf_midx.diagnostics import proposal_diagnostics  # noqa: E402
+if __package__:
+    from . import common
+else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+    import common
+
+ZipfMarkovChain = common.import_recipe("synthetic").ZipfMarkovChain
 
 NAME = "synthetic_coverage"
 #: name -> (sampler, options, K); every proposal draws from the tail only (the exact head is excluded).
@@ -144,16 +143,14 @@ def frequency_bands(z, weight, blocks_prev, blocks_next, chain, head: int) -> li
 def main(argv=None) -> dict:
     import json
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.base_parser(__doc__.split("\n\n")[0], timed=False, plots=False)
     p.add_argument("run_dir", type=Path, help="output folder of a finished recipes/large_vocab.py run")
-    p.add_argument("--out", default="bench-out", help="folder for the JSON and Markdown files")
     p.add_argument("--contexts", type=int, default=256, help="S held-out queries")
     p.add_argument("--num_samples", type=int, default=100, help="M, for the sampled ESS")
     p.add_argument("--exact_head", type=int, default=2048, help="H (0: no exact head)")
     p.add_argument("--proposals", nargs="+", default=list(PROPOSALS), choices=list(PROPOSALS), metavar="NAME")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default=None, help="suffix of the output names (default: the run folder's name)")
-    args = p.parse_args(argv)
+    args = common.parse(p, argv)
     if args.contexts < 1 or args.num_samples < 1 or args.exact_head < 0:
         raise SystemExit("--contexts and --num_samples must be >= 1 and --exact_head >= 0.")
     try:

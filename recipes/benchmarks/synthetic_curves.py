@@ -18,17 +18,17 @@ Run: ``python recipes/benchmarks/synthetic_curves.py runs/syn/* --out recipes/be
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
 import statistics
-import sys
 from pathlib import Path
 
-if not __package__:  # run as a file: the repository root holds the `recipes` package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from recipes.benchmarks import common  # noqa: E402
+if __package__:
+    from . import common
+else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+    import common
+
 
 NAME = "synthetic_curves"
 DIAGNOSTICS = (
@@ -207,11 +207,9 @@ def plot(v: int, runs: list[dict], out: Path) -> Path:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.base_parser(__doc__.split("\n\n")[0], timed=False, seed=False)
     p.add_argument("runs", nargs="+", type=Path, help="output folders of recipes/large_vocab.py runs")
-    p.add_argument("--out", default="bench-out", help="folder for the JSON, Markdown and PNG files")
-    p.add_argument("--no_plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
-    args = p.parse_args(argv)
+    args = common.parse(p, argv)
     runs = [load_run(d) for d in args.runs]
     by_v: dict[int, list[dict]] = {}
     for r in runs:
