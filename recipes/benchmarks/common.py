@@ -233,8 +233,10 @@ def zipf_labels(counts: torch.Tensor, n: int, generator: torch.Generator | None 
 # ---------------------------------------------------------------------------- variants
 #: Benchmark-only proposals, one name for one configuration in every script: ``MidxConfig`` overrides,
 #: the fields left out keep ``MidxConfig()``'s values (a 50 % unigram mixture, an exact head of 2,048,
-#: the corrected-positive estimator). A variant that does not want the head says ``exact_head=0``, since
-#: a name without "head" in it has none. compare_samplers passes each override to the recipe as
+#: the corrected-positive estimator). A variant that does not want the head says ``exact_head=0``: a name
+#: without "head" in it has none, except ``midx-rq-nomix``, kept as the name earlier results use for
+#: ``midx-rq-head2k-nomix``. (Before this table, compare_samplers gave ``midx-rq-mix-uniform``,
+#: ``midx-rq-frequency`` and ``midx-rq-frequency-mix`` the recipe's exact head; bench_kl gave them none.) compare_samplers passes each override to the recipe as
 #: ``--field value``; bench_kl and bench_sampling build the sampler from them (:func:`build_sampler`).
 VARIANTS: dict[str, dict[str, Any]] = {
     # midx-rq before issue 9: the positive's logit exact, no defensive mixture, no exact head.
