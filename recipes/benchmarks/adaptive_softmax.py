@@ -33,7 +33,7 @@ from torch import nn
 
 if __package__:
     from . import common
-else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+else:  # run as a file: this folder is first on sys.path
     import common
 
 lm_data = common.import_recipe("lm_data")
@@ -97,11 +97,8 @@ def evaluate(model: AdaptiveLM, blocks: lm_data.TokenBlocks, batch: int) -> floa
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    lines = {
-        "train": lm_data.read_lines(args.train_file),
-        "validation": lm_data.read_lines(args.validation_file),
-        **({"test": lm_data.read_lines(args.test_file)} if args.test_file else {}),
-    }
+    files = {"train": args.train_file, "validation": args.validation_file, "test": args.test_file}
+    lines = {k: lm_data.read_lines(f) for k, f in files.items() if f}
     tokenizer = lm_data.build_word_level_tokenizer(lines["train"])
     streams = {k: lm_data.encode_lines(tokenizer, v) for k, v in lines.items()}
     vocab = len(tokenizer)
@@ -117,15 +114,8 @@ def main(argv=None) -> dict:
     from transformers import GPT2Config
 
     eos = int(rank_of[tokenizer.eos_token_id])
-    config = GPT2Config(
-        vocab_size=vocab,
-        n_positions=args.seq_len + 1,
-        tie_word_embeddings=False,
-        bos_token_id=eos,
-        eos_token_id=eos,
-        pad_token_id=eos,
-        **PAPER_GPT2,
-    )
+    config = GPT2Config(vocab_size=vocab, n_positions=args.seq_len + 1, tie_word_embeddings=False, bos_token_id=eos,
+                        eos_token_id=eos, pad_token_id=eos, **PAPER_GPT2)  # fmt: skip
     if args.config_overrides:
         config.update_from_string(args.config_overrides)
     cutoffs = [c for c in (int(x) for x in args.cutoffs.split(",")) if 0 < c < vocab - 1]
@@ -176,21 +166,12 @@ def main(argv=None) -> dict:
     valid = curve[-1]["valid_loss"]
     test = evaluate(model, blocks["test"], args.per_device_eval_batch_size) if "test" in blocks else None
     results = {
-        "sampler": "adaptive-softmax",
-        "cutoffs": cutoffs,
-        "div_value": args.div_value,
-        "seed": args.seed,
-        "global_step": step,
-        "epoch": step / steps_per_epoch,
-        "valid_loss": valid,
-        "valid_perplexity": math.exp(valid),
-        "test_loss": test,
-        "test_perplexity": None if test is None else math.exp(test),
-        "train_runtime_s": train_time,
+        "sampler": "adaptive-softmax", "cutoffs": cutoffs, "div_value": args.div_value, "seed": args.seed,
+        "global_step": step, "epoch": step / steps_per_epoch, "valid_loss": valid, "valid_perplexity": math.exp(valid),
+        "test_loss": test, "test_perplexity": None if test is None else math.exp(test), "train_runtime_s": train_time,
         "tokens_per_second": tokens / train_time if train_time > 0 else None,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "curve": curve,
-    }
+        "parameters": sum(p.numel() for p in model.parameters()), "curve": curve,
+    }  # fmt: skip
     os.makedirs(args.output_dir, exist_ok=True)
     path = Path(args.output_dir) / "results.json"
     tmp = path.with_suffix(".tmp")

@@ -46,103 +46,43 @@ import torch
 
 if __package__:
     from . import common
-else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+else:  # run as a file: this folder is first on sys.path
     import common
-
 
 NAME = "bench_e2e"
 SETTINGS = {
-    "recipe": {
-        "overrides": None,
-        "vocab": 33278,
-        "block": 51,
-        "batch": 32,
-        "num_samples": 100,
-        "codebook_size": 128,
-        "what": "the WikiText-2 recipe's transformer (2 layers, 4 heads, d 200, ff 1024) and MIDX defaults",
-    },
-    "head-dominated": {
-        "overrides": "n_embd=256,n_layer=2,n_head=4,n_inner=1024",
-        "vocab": 131072,
-        "block": 128,
-        "batch": 16,
-        "num_samples": 20,
-        "codebook_size": 64,
-        "what": "CPU-sized, head-dominated: 2 layers, d 256, ff 1024, V=131072",
-    },
-    "gpt2-small-128k": {
-        "overrides": "n_embd=768,n_layer=12,n_head=12,n_inner=3072",
-        "vocab": 131072,
-        "block": 1024,
-        "batch": 8,
-        "num_samples": 20,
-        "codebook_size": 64,
-        "what": "GPT-2 small (12 layers, 12 heads, d 768) with V=131072, bf16 autocast",
-    },
-    "gemma3-270m": {
-        "arch": "gemma3_text",
-        "config": dict(
-            hidden_size=640,
-            intermediate_size=2048,
-            num_hidden_layers=18,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            head_dim=256,
-            max_position_embeddings=32768,
-            tie_word_embeddings=True,
-        ),
-        "vocab": 262144,
-        "block": 2048,
-        "batch": 4,
-        "num_samples": 20,
-        "codebook_size": 64,
-        "dtype": "bfloat16",
-        "what": "Gemma-3-270M-sized (18 layers, d 640, V=262144) from its config, bf16 weights",
-    },
-    "qwen2.5-0.5b": {
-        "arch": "qwen2",
-        "config": dict(
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            max_position_embeddings=32768,
-            tie_word_embeddings=True,
-        ),
-        "vocab": 151936,
-        "block": 2048,
-        "batch": 4,
-        "num_samples": 20,
-        "codebook_size": 64,
-        "dtype": "bfloat16",
-        "what": "Qwen2.5-0.5B-sized (24 layers, d 896, V=151936) from its config, bf16 weights",
-    },
-}
+    "recipe": {"overrides": None, "vocab": 33278, "block": 51, "batch": 32, "num_samples": 100, "codebook_size": 128,
+               "what": "the WikiText-2 recipe's transformer (2 layers, 4 heads, d 200, ff 1024) and MIDX defaults"},
+    "head-dominated": {"overrides": "n_embd=256,n_layer=2,n_head=4,n_inner=1024", "vocab": 131072, "block": 128,
+                       "batch": 16, "num_samples": 20, "codebook_size": 64,
+                       "what": "CPU-sized, head-dominated: 2 layers, d 256, ff 1024, V=131072"},
+    "gpt2-small-128k": {"overrides": "n_embd=768,n_layer=12,n_head=12,n_inner=3072", "vocab": 131072, "block": 1024,
+                        "batch": 8, "num_samples": 20, "codebook_size": 64,
+                        "what": "GPT-2 small (12 layers, 12 heads, d 768) with V=131072, bf16 autocast"},
+    "gemma3-270m": {"arch": "gemma3_text", "vocab": 262144, "block": 2048, "batch": 4, "num_samples": 20,
+                    "codebook_size": 64, "dtype": "bfloat16",
+                    "config": dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+                                   num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+                                   tie_word_embeddings=True),
+                    "what": "Gemma-3-270M-sized (18 layers, d 640, V=262144) from its config, bf16 weights"},
+    "qwen2.5-0.5b": {"arch": "qwen2", "vocab": 151936, "block": 2048, "batch": 4, "num_samples": 20,
+                     "codebook_size": 64, "dtype": "bfloat16",
+                     "config": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                                    num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True),
+                     "what": "Qwen2.5-0.5B-sized (24 layers, d 896, V=151936) from its config, bf16 weights"},
+}  # fmt: skip
 CASES = ("hf-full", "exact-chunked", "cce", "liger", "midx-default", "midx-rq", "midx-rq-shared", "uniform")
 #: Cases that compute the exact loss (the yardstick of a sampled head).
 EXACT_CASES = ("hf-full", "exact-chunked", "cce", "liger")
 
 
 def parse_args(argv=None):
-    p = common.base_parser(__doc__.splitlines()[0])
-    p.add_argument(
-        "--settings",
-        nargs="+",
-        default=None,
-        choices=list(SETTINGS),
-        help="default: recipe head-dominated (CPU); recipe gpt2-small-128k (GPU)",
-    )
+    p = common.base_parser(__doc__.splitlines()[0], pool_size=1024, budget_s=(None, "default 120; quick 5"))
+    p.add_argument("--settings", nargs="+", default=None, choices=list(SETTINGS),
+                   help="default: recipe head-dominated (CPU); recipe gpt2-small-128k (GPU)")  # fmt: skip
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per case (default 5; quick 2)")
-    p.add_argument("--pool_size", type=int, default=1024, help="P of midx-rq-shared")
     p.add_argument("--bf16", default="auto", choices=["auto", "on", "off"], help="bf16 autocast (auto: on a GPU)")
-    p.add_argument(
-        "--budget_s",
-        type=float,
-        default=None,
-        help="stop repeating a case after this many seconds (default 120; quick 5)",
-    )
     return common.parse(p, argv)
 
 
@@ -175,12 +115,10 @@ def run_setting(key: str, args, device, env, bf16: bool, warmup: int, steps: int
     v, block, batch = s["vocab"], s["block"], s["batch"]
     gen = torch.Generator().manual_seed(args.seed)
     counts = common.zipf_counts(v, tokens=1e7) + 1
-    batches = [
-        torch.multinomial(counts, batch * block, replacement=True, generator=gen).view(batch, block).to(device)
-        for _ in range(4)
-    ]
+    batches = [torch.multinomial(counts, batch * block, replacement=True, generator=gen).view(batch, block).to(device)
+               for _ in range(4)]  # fmt: skip
     print(f"\n-- {key}: {s['what']}; V={v}, batch {batch} x {block} tokens{', bf16' if bf16 else ''} --")
-    kernels = _exact_kernels(device)
+    kernels = common.exact_kernels(device)
     out = []
     for case in args.cases:
         if case in kernels and kernels[case] is None:
@@ -188,57 +126,34 @@ def run_setting(key: str, args, device, env, bf16: bool, warmup: int, steps: int
             continue
         model = make_model(s, v, block, args.seed, device)
         model.train()
-        rec = {
-            "setting": key,
-            "case": case,
-            "V": v,
-            "batch": batch,
-            "block": block,
-            "d": model.config.hidden_size,
-            "layers": model.config.num_hidden_layers,
-            "parameters": sum(p.numel() for p in model.parameters()),
-        }
+        rec = {"setting": key, "case": case, "V": v, "batch": batch, "block": block, "d": model.config.hidden_size,
+               "layers": model.config.num_hidden_layers, "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
         exact = contextlib.nullcontext
         loss_of = None  # a case that computes its loss from the backbone's hidden states
         if case in kernels:
             loss_of = _kernel_loss(kernels[case], model, getattr(model.config, "final_logit_softcapping", None))
-        elif case == "midx-default":
-            config = MidxConfig(seed=args.seed, log_kl=False)
+        elif case != "hf-full":
+            shared = case == "midx-rq-shared"
+            sampler = "uniform" if case == "uniform" else "midx-rq"
+            # midx-default: MidxConfig() as it is; the others: the setting's M and K, the benchmark's P.
+            config = MidxConfig(seed=args.seed, log_kl=False) if case == "midx-default" else MidxConfig(
+                sampler=sampler, num_samples=args.pool_size if shared else s["num_samples"], seed=args.seed,
+                negatives="shared" if shared else "per-query", codebook_size=s["codebook_size"], log_kl=False)  # fmt: skip
             t0 = time.perf_counter()
             MidxLMHead.wrap(model, config, class_counts=counts, verify=False)
             common.sync(device)
             rec["build_s"] = time.perf_counter() - t0
             rec.update({"sampler": config.sampler, "num_samples": config.num_samples, "negatives": config.negatives})
-        elif case != "hf-full":
-            sampler = "uniform" if case == "uniform" else "midx-rq"
-            config = MidxConfig(
-                sampler=sampler,
-                num_samples=args.pool_size if case == "midx-rq-shared" else s["num_samples"],
-                negatives="shared" if case == "midx-rq-shared" else "per-query",
-                codebook_size=s["codebook_size"],
-                seed=args.seed,
-                log_kl=False,
-            )
-            t0 = time.perf_counter()
-            MidxLMHead.wrap(model, config, class_counts=counts, verify=False)
-            common.sync(device)
-            rec["build_s"] = time.perf_counter() - t0
-            head = MidxLMHead.find(model)
-            if sampler.startswith("midx"):
-                t0 = time.perf_counter()
-                head.refresh()
-                common.sync(device)
-                rec["refresh_s"] = time.perf_counter() - t0
-            if case == "exact-chunked":
-                exact = head.exact_loss_only
-            rec.update(
-                {
-                    "sampler": sampler,
-                    "num_samples": config.num_samples,
-                    "negatives": config.negatives,
-                    "codebook_size": config.codebook_size,
-                }
-            )
+            if case != "midx-default":
+                head = MidxLMHead.find(model)
+                if sampler.startswith("midx"):
+                    t0 = time.perf_counter()
+                    head.refresh()
+                    common.sync(device)
+                    rec["refresh_s"] = time.perf_counter() - t0
+                if case == "exact-chunked":
+                    exact = head.exact_loss_only
+                rec["codebook_size"] = config.codebook_size
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         it = iter(range(1 << 30))
 
@@ -264,22 +179,12 @@ def run_setting(key: str, args, device, env, bf16: bool, warmup: int, steps: int
             model = opt = None
             common.free_memory(device)
             continue
-        rec.update(
-            {
-                "step_ms": stats["p50"],
-                "step_ms_p20": stats["p20"],
-                "step_ms_p80": stats["p80"],
-                "repeats": stats["n"],
-                "tokens_per_s": batch * block / (stats["p50"] / 1e3),
-                "peak_bytes": mem["peak_bytes"],
-                "memory_method": mem["method"],
-            }
-        )
-        print(
-            f"{case:16s} {common.fmt_ms(stats['p50']):>9s}/step  {rec['tokens_per_s']:>9.0f} tokens/s  "
-            f"peak {common.fmt_bytes(mem['peak_bytes'])}"
-            + (f"  (build {rec['build_s']:.1f} s, refresh {rec.get('refresh_s', 0):.1f} s)" if "build_s" in rec else "")
-        )
+        rec.update({"step_ms": stats["p50"], "step_ms_p20": stats["p20"], "step_ms_p80": stats["p80"], "repeats": stats["n"],
+                    "tokens_per_s": batch * block / (stats["p50"] / 1e3), "peak_bytes": mem["peak_bytes"],
+                    "memory_method": mem["method"]})  # fmt: skip
+        print(f"{case:16s} {common.fmt_ms(stats['p50']):>9s}/step  {rec['tokens_per_s']:>9.0f} tokens/s  "
+              f"peak {common.fmt_bytes(mem['peak_bytes'])}"
+              + (f"  (build {rec['build_s']:.1f} s, refresh {rec.get('refresh_s', 0):.1f} s)" if "build_s" in rec else ""))  # fmt: skip
         out.append(rec)
         model = opt = None
         common.free_memory(device)
@@ -294,26 +199,6 @@ def run_setting(key: str, args, device, env, bf16: bool, warmup: int, steps: int
             r["best_exact"] = best["case"]
             r["speedup_vs_best_exact"] = r["tokens_per_s"] / best["tokens_per_s"]
     return out
-
-
-def _exact_kernels(device) -> dict:
-    """``cce`` / ``liger`` -> their loss callables (None where not installed or not on a GPU)."""
-    kernels = {"cce": None, "liger": None}
-    if device.type != "cuda":
-        return kernels
-    try:
-        from cut_cross_entropy import linear_cross_entropy  # noqa: PLC0415
-
-        kernels["cce"] = linear_cross_entropy
-    except ImportError:
-        pass
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # noqa: PLC0415
-
-        kernels["liger"] = LigerFusedLinearCrossEntropyLoss
-    except ImportError:
-        pass
-    return kernels
 
 
 def _kernel_loss(kernel, model, softcap):
@@ -340,99 +225,56 @@ def main(argv=None) -> dict:
     warmup, steps = common.repeats_of(args, full=5, quick=1 if args.smoke else 2)
     if args.budget_s is None:
         args.budget_s = 5.0 if args.quick else 120.0
-    if args.steps:
-        steps = args.steps
-    settings_keys = args.settings or (
-        ["recipe"]
-        if args.quick
-        else ["recipe", "gpt2-small-128k"]
-        if device.type == "cuda"
-        else ["recipe", "head-dominated"]
-    )
-    env = common.environment(device)
-    settings = common.run_settings(
-        args,
-        settings={k: SETTINGS[k] for k in settings_keys},
-        cases=args.cases,
-        steps=steps,
-        warmup=warmup,
-        pool_size=args.pool_size,
-        bf16=bf16,
-        optimizer="AdamW lr 1e-4",
-        timed="forward + backward + optimizer step",
-        tokens="input tokens per second (batch x block)",
-    )
-    if args.smoke:
-        settings["quick_note"] = "smoke: V=2048, batch 2 x 17 tokens (for the test suite only)"
-    elif args.quick:
-        settings["quick_note"] = "quick: V above 65536 capped at 32768, batch divided by 4"
-    common.print_header(NAME, env, settings)
+    steps = args.steps or steps
+    keys = args.settings or (["recipe"] if args.quick else ["recipe", "gpt2-small-128k" if device.type == "cuda" else "head-dominated"])
+    note = {"quick_note": common.by_size(args, "smoke: V=2048, batch 2 x 17 tokens (for the test suite only)",
+                                         "quick: V above 65536 capped at 32768, batch divided by 4", None)}  # fmt: skip
+    env, settings = common.start(
+        NAME, args, device, settings={k: SETTINGS[k] for k in keys}, cases=args.cases, steps=steps, warmup=warmup,
+        pool_size=args.pool_size, bf16=bf16, optimizer="AdamW lr 1e-4", timed="forward + backward + optimizer step",
+        tokens="input tokens per second (batch x block)", **(note if note["quick_note"] else {}),
+    )  # fmt: skip
     results = []
-    for key in settings_keys:
+    for key in keys:
         results += run_setting(key, args, device, env, bf16, warmup, steps)
-    rows = [
-        common.row(
-            env,
-            op="train_step",
-            provider=r["case"],
-            metric="tokens_per_s",
-            unit="tokens/s",
-            x_name="setting",
-            x_value=r["setting"],
-            value=r["tokens_per_s"],
-            V=r["V"],
-        )
-        for r in results
-        if "tokens_per_s" in r
-    ]
-    payload = {"benchmark": NAME, "settings": settings, "environment": env, "rows": rows, "results": results}
+    rows = [common.row(env, op="train_step", provider=r["case"], metric="tokens_per_s", unit="tokens/s", x_name="setting",
+                       x_value=r["setting"], value=r["tokens_per_s"], V=r["V"]) for r in results if "tokens_per_s" in r]  # fmt: skip
     md = render_markdown(env, settings, results)
-    common.write_outputs(args.out, NAME, payload, md)
-    if not args.no_plots:
-        plot(args.out, results)
-    print(md)
-    return payload
+    return common.finish(args, NAME, env, settings, md, lambda: plot(args.out, results), rows=rows, results=results)
 
 
 def render_markdown(env, settings, results):
-    sections = []
+    parts = []
     for key in dict.fromkeys(r["setting"] for r in results):
         rs = [r for r in results if r["setting"] == key]
-        sections.append(f"## {key}: {settings['settings'][key]['what']}\n")
-        sections.append(
-            f"V={rs[0]['V']}, batch {rs[0]['batch']} x {rs[0]['block']} tokens, "
-            f"{rs[0]['parameters'] / 1e6:.1f}M parameters.\n"
-        )
-        rows = [{**r, "tps": f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else r.get("skipped")} for r in rs]
-        sections.append(common.markdown_table(rows, [
-            ("case", "case"), ("tokens/s", "tps"), ("step (p50)", "step_ms", common.fmt_ms),
-            ("peak memory", "peak_bytes", common.fmt_bytes), ("speed-up vs hf-full", "speedup_vs_hf", _ratio2),
-            ("memory vs hf-full", "memory_ratio_vs_hf", common.fmt_ratio),
-            ("vs best exact", "speedup_vs_best_exact", _ratio2), ("sampler build", "build_s", _secs),
-            ("one refresh", "refresh_s", _secs),
-        ]))  # fmt: skip
-    return common.report("End-to-end training throughput", env, settings, *sections)
-
-
-def _ratio2(x: float) -> str:
-    return common.fmt_ratio(x, 2)
-
-
-def _secs(x: float) -> str:
-    return f"{x:.1f} s"
+        parts.append(f"## {key}: {settings['settings'][key]['what']}\n")
+        parts.append(f"V={rs[0]['V']}, batch {rs[0]['batch']} x {rs[0]['block']} tokens, "
+                     f"{rs[0]['parameters'] / 1e6:.1f}M parameters.\n")  # fmt: skip
+        parts.append(common.markdown_table(rs, [
+            ("case", "case"), ("tokens/s", lambda r: f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else r.get("skipped")),
+            ("step (p50)", lambda r: common.fmt_ms(r.get("step_ms"))),
+            ("peak memory", lambda r: common.fmt_bytes(r.get("peak_bytes"))),
+            ("speed-up vs hf-full", lambda r: common.fmt_ratio(r.get("speedup_vs_hf"), 2)),
+            ("memory vs hf-full", lambda r: common.fmt_ratio(r.get("memory_ratio_vs_hf"))),
+            ("vs best exact", lambda r: common.fmt_ratio(r.get("speedup_vs_best_exact"), 2)),
+            ("sampler build", lambda r: f"{r['build_s']:.1f} s" if "build_s" in r else "-"),
+            ("one refresh", lambda r: f"{r['refresh_s']:.1f} s" if "refresh_s" in r else "-"),
+        ]) + "\n")  # fmt: skip
+    return common.report("End-to-end training throughput", env, settings, *parts)
 
 
 def plot(out_dir, results):
-    keys = list(dict.fromkeys(r["setting"] for r in results))
-    fig, axes = common.subplots(len(keys), 5.5, 4)
-    for ax, key in zip(axes, keys):
+    def bars(key):
         rs = [r for r in results if r["setting"] == key and "tokens_per_s" in r]
-        colors = ["black" if r["case"] == "hf-full" else "tab:blue" for r in rs]  # the baseline stands out
-        ax.bar([r["case"] for r in rs], [r["tokens_per_s"] for r in rs], color=colors)
-        ax.tick_params(axis="x", rotation=30)
-        common.style(ax, key, "", "training tokens / s", legend=None, grid="y")
-    common.save_figure(fig, out_dir, f"{NAME}.png")
 
+        def extra(ax):  # bars, not lines: one number per case
+            colors = ["black" if r["case"] == "hf-full" else "tab:blue" for r in rs]
+            ax.bar([r["case"] for r in rs], [r["tokens_per_s"] for r in rs], color=colors)
+            ax.tick_params(axis="x", rotation=30)
+
+        return {"lines": {}, "extra": extra, "legend": 0, "ylabel": "training tokens / s", "title": key}
+
+    common.plot_panels(out_dir, f"{NAME}.png", [bars(k) for k in dict.fromkeys(r["setting"] for r in results)], size=(5.5, 4))
 
 if __name__ == "__main__":
     main()

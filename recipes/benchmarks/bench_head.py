@@ -41,20 +41,13 @@ import hf_midx
 
 if __package__:
     from . import common
-else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+else:  # run as a file: this folder is first on sys.path
     import common
 
 NAME = "bench_head"
 SAMPLED = ("midx-rq", "midx-pq", "uniform", "unigram")
 #: Cases that compute the exact loss.
 EXACT_CASES = ("hf", "torch-chunked", "torch-chunked-512", "liger", "cce")
-#: (V, D) of the output layers of real models (their configs' vocab_size and hidden_size).
-MODEL_SHAPES = {
-    "llama3-8b": (128256, 4096),
-    "gemma2-2b": (256000, 2304),
-    "qwen2.5-0.5b": (151936, 896),
-    "gemma3-270m": (262144, 640),
-}
 TARGETS = (  # (V, minimum speed-up vs hf, minimum memory ratio vs hf or None)
     (131072, 10.0, None),
     (524288, 30.0, 10.0),
@@ -62,58 +55,24 @@ TARGETS = (  # (V, minimum speed-up vs hf, minimum memory ratio vs hf or None)
 
 
 def parse_args(argv=None):
-    p = common.base_parser(__doc__.splitlines()[0])
+    p = common.base_parser(
+        __doc__.splitlines()[0], vocab=(None, "default 32768 131072 524288 1048576; quick 8192 32768"), num_samples=20,
+        pool_size=1024, codebook_size=64, kmeans_iters=20, budget_s=(None, "default 60; quick 5"),
+        samplers=list(SAMPLED),
+    )  # fmt: skip
     p.add_argument("--tokens", type=int, default=None, help="T (default 2048; quick 512)")
     p.add_argument("--dims", type=int, nargs="+", default=None, help="D values (default 256; 256 1024 on a GPU)")
-    p.add_argument(
-        "--vocab",
-        type=int,
-        nargs="+",
-        default=None,
-        help="V values (default 32768 131072 524288 1048576; quick 8192 32768)",
-    )
-    p.add_argument(
-        "--models",
-        nargs="+",
-        default=None,
-        choices=list(MODEL_SHAPES),
-        help="real head shapes (V, D) to run instead of the --dims x --vocab grid (T default 8192 on a GPU)",
-    )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="also time the default MIDX head's step under torch.compile (inductor on a GPU, aot_eager on CPU)",
-    )
-    p.add_argument("--num_samples", type=int, default=20, help="M negatives per token (per-query)")
-    p.add_argument("--pool_size", type=int, default=1024, help="P negatives in the shared pool")
-    p.add_argument("--codebook_size", type=int, default=64, help="K")
-    p.add_argument("--kmeans_iters", type=int, default=20)
+    p.add_argument("--models", nargs="+", default=None, choices=list(common.MODEL_SHAPES),
+                   help="real head shapes (V, D) to run instead of the --dims x --vocab grid (T default 8192 on a GPU)")  # fmt: skip
+    p.add_argument("--compile", action="store_true",
+                   help="also time the default MIDX head's step under torch.compile (inductor on a GPU, aot_eager on CPU)")  # fmt: skip
     p.add_argument("--kmeans_backend", default="torch", choices=["torch", "faiss"])
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="parameter dtype (auto: float32 on CPU, bfloat16 on a GPU)",
-    )
-    p.add_argument(
-        "--max_mem_gb",
-        type=float,
-        default=20.0,
-        help="skip a case whose estimated peak exceeds this (or 85%% of free memory)",
-    )
-    p.add_argument(
-        "--budget_s",
-        type=float,
-        default=None,
-        help="stop repeating a case after this many seconds (default 60; quick 5)",
-    )
-    p.add_argument("--samplers", nargs="+", default=list(SAMPLED), help="sampled-softmax proposals to run")
-    p.add_argument(
-        "--skip_cases",
-        nargs="+",
-        default=[],
-        help="case labels to leave out, e.g. torch-chunked (slow on CPU: see the module doc)",
-    )
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="parameter dtype (auto: float32 on CPU, bfloat16 on a GPU)")  # fmt: skip
+    p.add_argument("--max_mem_gb", type=float, default=20.0,
+                   help="skip a case whose estimated peak exceeds this (or 85%% of free memory)")  # fmt: skip
+    p.add_argument("--skip_cases", nargs="+", default=[],
+                   help="case labels to leave out, e.g. torch-chunked (slow on CPU: see the module doc)")  # fmt: skip
     return common.parse(p, argv)
 
 
@@ -130,83 +89,39 @@ def estimate_bytes(case: str, t: int, v: int, d: int, elt: int) -> int:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device = common.resolve_device(args.device)
-    dtype = {
-        "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-        "float32": torch.float32,
-        "bfloat16": torch.bfloat16,
-    }[args.dtype]
+    auto = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     warmup, repeats = common.repeats_of(args, full=5, quick=1 if args.smoke else 2)
-    t = args.tokens or (
-        256 if args.smoke else 512 if args.quick else 8192 if args.models and device.type == "cuda" else 2048
-    )
+    t = args.tokens or common.by_size(args, 256, 512, 8192 if args.models and device.type == "cuda" else 2048)
     if args.budget_s is None:
         args.budget_s = 5.0 if args.quick else 60.0
-    dims = args.dims or ([64] if args.smoke else [256, 1024] if device.type == "cuda" and not args.quick else [256])
-    vocab = args.vocab or ([4096] if args.smoke else [8192, 32768] if args.quick else [32768, 131072, 524288, 1048576])
+    dims = args.dims or common.by_size(args, [64], [256], [256, 1024] if device.type == "cuda" else [256])
+    vocab = args.vocab or common.by_size(args, [4096], [8192, 32768], [32768, 131072, 524288, 1048576])
     if args.smoke:
         args.kmeans_iters = min(args.kmeans_iters, 3)
-    shapes = [MODEL_SHAPES[name] for name in args.models] if args.models else [(v, d) for d in dims for v in vocab]
+    shapes = [common.MODEL_SHAPES[name] for name in args.models] if args.models else [(v, d) for d in dims for v in vocab]
     if args.smoke and args.models:
         shapes = [(max(2048, v // 64), max(32, d // 32)) for v, d in shapes]
-    m, pool, k = args.num_samples, args.pool_size, args.codebook_size
-    liger_ce = cce = None
-    if device.type == "cuda":
-        try:
-            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # noqa: PLC0415
-
-            liger_ce = LigerFusedLinearCrossEntropyLoss()
-        except ImportError:
-            print("liger_kernel not installed: the liger case is left out (pip install liger-kernel).")
-        try:
-            from cut_cross_entropy import linear_cross_entropy as cce  # noqa: PLC0415
-        except ImportError:
-            print("cut_cross_entropy not installed: the cce case is left out (pip install cut-cross-entropy).")
-    env = common.environment(device)
-    settings = common.run_settings(
-        args,
-        tokens=t,
-        shapes=[{"V": v, "D": d} for v, d in shapes],
-        models=args.models,
-        num_samples=m,
-        pool_size=pool,
-        codebook_size=k,
-        kmeans_iters=args.kmeans_iters,
-        kmeans_backend=args.kmeans_backend,
-        dtype=str(dtype),
-        warmup=warmup,
-        repeats=repeats,
-        budget_s=args.budget_s,
-        max_mem_gb=args.max_mem_gb,
-        samplers=args.samplers,
+    kernels = common.exact_kernels(device)
+    env, settings = common.start(
+        NAME, args, device, tokens=t, shapes=[{"V": v, "D": d} for v, d in shapes], models=args.models,
+        num_samples=args.num_samples, pool_size=args.pool_size, codebook_size=args.codebook_size,
+        kmeans_iters=args.kmeans_iters, kmeans_backend=args.kmeans_backend, dtype=str(dtype), warmup=warmup,
+        repeats=repeats, budget_s=args.budget_s, max_mem_gb=args.max_mem_gb, samplers=args.samplers,
         timed="forward + backward of head and loss (sampling included, index build excluded)",
         memory="peak bytes the step allocates (CPU: torch.profiler memory events; GPU: max_memory_allocated)",
-    )
-    common.print_header(NAME, env, settings)
-
+    )  # fmt: skip
     rows, builds, results = [], [], []
     for v, d in shapes:
-        results += run_size(args, device, dtype, env, t, d, v, m, pool, k, warmup, repeats, (liger_ce, cce), rows, builds)
+        results += run_size(args, device, dtype, env, t, d, v, warmup, repeats, kernels, rows, builds)
         common.free_memory(device)
-
     targets = check_targets(results)
-    payload = {
-        "benchmark": NAME,
-        "settings": settings,
-        "environment": env,
-        "rows": rows,
-        "results": results,
-        "index_build": builds,
-        "targets": targets,
-    }
     md = render_markdown(env, settings, results, builds, targets)
-    common.write_outputs(args.out, NAME, payload, md)
-    if not args.no_plots:
-        plot(args.out, results)
-    print(md)
-    return payload
+    return common.finish(args, NAME, env, settings, md, lambda: plot(args.out, results), rows=rows, results=results,
+                         index_build=builds, targets=targets)  # fmt: skip
 
 
-def _default_head_cases(args, hidden, weight, labels, counts, device, pool):
+def _default_head_cases(args, hidden, weight, labels, counts, device):
     """Cases of the head as ``MidxConfig()`` configures it: a ``MidxLMHead`` over this weight, its
     ``loss_from_hidden`` (sampler, estimator, exact head and every other default but the seed)."""
     from torch import nn  # noqa: PLC0415
@@ -222,7 +137,7 @@ def _default_head_cases(args, hidden, weight, labels, counts, device, pool):
     common.sync(device)
     build_s = time.perf_counter() - t0
     cases = []
-    for mode, n in (("per-query", config.num_samples), ("shared", pool)):
+    for mode, n in (("per-query", config.num_samples), ("shared", args.pool_size)):
         same = mode == config.negatives and n == config.num_samples
         head_n = head if same else make_head(config.replace(negatives=mode, num_samples=n))
 
@@ -231,8 +146,7 @@ def _default_head_cases(args, hidden, weight, labels, counts, device, pool):
 
         def draw(head_n=head_n, n=n, mode=mode):
             q = hidden.detach().float()
-            smp = head_n.sampler
-            return smp.draw(q, n) if mode == "per-query" else smp.draw_shared(q, n)
+            return head_n.sampler.draw(q, n) if mode == "per-query" else head_n.sampler.draw_shared(q, n)
 
         what = f"MidxConfig() defaults ({config.sampler}), {mode}, {'M' if mode == 'per-query' else 'P'}={n}"
         # FLOPs against the full head: the candidates, the codeword scores, the exact head.
@@ -246,11 +160,11 @@ def _default_head_cases(args, hidden, weight, labels, counts, device, pool):
     return cases, build_s
 
 
-def run_size(args, device, dtype, env, t, d, v, m, pool, k, warmup, repeats, exact_kernels, rows, builds):
-    liger_ce, cce = exact_kernels
+def run_size(args, device, dtype, env, t, d, v, warmup, repeats, kernels, rows, builds):
+    m, pool, k = args.num_samples, args.pool_size, args.codebook_size
     gen = torch.Generator().manual_seed(args.seed)
     counts = common.zipf_counts(v, generator=gen)
-    labels = torch.multinomial(counts.float() + 1, t, replacement=True, generator=gen).to(device)
+    labels = common.zipf_labels(counts, t, gen).to(device)
     weight = torch.nn.Parameter((torch.randn(v, d, generator=gen) * d**-0.5).to(device=device, dtype=dtype))
     hidden = torch.randn(t, d, generator=gen).to(device=device, dtype=dtype).requires_grad_()
     elt = torch.finfo(dtype).bits // 8
@@ -259,79 +173,37 @@ def run_size(args, device, dtype, env, t, d, v, m, pool, k, warmup, repeats, exa
 
     samplers = {}
     for name in args.samplers:
+        midx = name.startswith("midx")
+        opts = {"kmeans_iters": args.kmeans_iters, "kmeans_backend": args.kmeans_backend} if midx else {}
         t0 = time.perf_counter()
-        samplers[name] = hf_midx.build_sampler(
-            name,
-            weight.detach(),
-            codebook_size=k,
-            class_counts=counts,
-            seed=args.seed,
-            **(
-                {"kmeans_iters": args.kmeans_iters, "kmeans_backend": args.kmeans_backend}
-                if name.startswith("midx")
-                else {}
-            ),
-        )
+        samplers[name] = hf_midx.build_sampler(name, weight.detach(), codebook_size=k, class_counts=counts,
+                                               seed=args.seed, **opts)  # fmt: skip
         common.sync(device)
         secs = time.perf_counter() - t0
-        if name.startswith("midx"):
-            builds.append(
-                {
-                    "V": v,
-                    "D": d,
-                    "sampler": name,
-                    "build_s": secs,
-                    "K": k,
-                    "kmeans_iters": args.kmeans_iters,
-                    "kmeans_backend": args.kmeans_backend,
-                }
-            )
-            rows.append(
-                common.row(
-                    env,
-                    op="index_build",
-                    provider=name,
-                    metric="time",
-                    unit="s",
-                    x_name="V",
-                    x_value=v,
-                    value=secs,
-                    D=d,
-                    K=k,
-                )
-            )
+        if midx:
+            builds.append({"V": v, "D": d, "sampler": name, "build_s": secs, "K": k, **opts})
+            rows.append(common.row(env, op="index_build", provider=name, metric="time", unit="s", x_name="V", x_value=v,
+                                   value=secs, D=d, K=k))  # fmt: skip
             print(f"build {name:8s}: {secs:.2f} s")
 
-    cases = [
-        ("hf", "full logits + F.cross_entropy", 0, lambda: F.cross_entropy(F.linear(hidden, weight).float(), labels))
-    ]
-    cases.append(
-        (
-            "torch-chunked",
-            "hf_midx.full_softmax_loss (F.linear_cross_entropy)",
-            0,
-            lambda: hf_midx.full_softmax_loss(hidden, weight, labels),
-        )
-    )
+    cases = [("hf", "full logits + F.cross_entropy", 0, lambda: F.cross_entropy(F.linear(hidden, weight).float(), labels)),
+             ("torch-chunked", "hf_midx.full_softmax_loss (F.linear_cross_entropy)", 0,
+              lambda: hf_midx.full_softmax_loss(hidden, weight, labels))]  # fmt: skip
     if device.type == "cpu" and hasattr(torch.nn, "LinearCrossEntropyOptions"):
         # The same torch op with 512-token chunks and fp32 accumulation: a yardstick for full_softmax_loss's chunks.
         tuned = torch.nn.LinearCrossEntropyOptions(acc_policy="accurate", batch_chunk_size=512, chunking_method=None)
-        cases.append(
-            (
-                "torch-chunked-512",
-                "F.linear_cross_entropy, acc_policy=accurate, batch_chunk_size=512",
-                0,
-                lambda: F.linear_cross_entropy(hidden, weight, labels, options=tuned),
-            )
-        )
-    if liger_ce is not None:
+        cases.append(("torch-chunked-512", "F.linear_cross_entropy, acc_policy=accurate, batch_chunk_size=512", 0,
+                      lambda: F.linear_cross_entropy(hidden, weight, labels, options=tuned)))  # fmt: skip
+    if kernels["liger"] is not None:
+        liger_ce = kernels["liger"]()
         cases.append(("liger", "LigerFusedLinearCrossEntropyLoss", 0, lambda: liger_ce(weight, hidden, labels)))
-    if cce is not None:
+    if kernels["cce"] is not None:
+        cce = kernels["cce"]
         cases.append(("cce", "cut_cross_entropy.linear_cross_entropy", 0, lambda: cce(hidden, weight, labels)))
-    default_cases, default_build_s = _default_head_cases(args, hidden, weight, labels, counts, device, pool)
+    default_cases, default_build_s = _default_head_cases(args, hidden, weight, labels, counts, device)
     print(f"build midx-default: {default_build_s:.2f} s")
     builds.append({"V": v, "D": d, "sampler": "midx-default", "build_s": default_build_s, "K": None,
-                   "kmeans_iters": None, "kmeans_backend": None})
+                   "kmeans_iters": None, "kmeans_backend": None})  # fmt: skip
     cases += default_cases
     for name, smp in samplers.items():
         extra = 2 * k if name.startswith("midx") else 0
@@ -343,23 +215,13 @@ def run_size(args, device, dtype, env, t, d, v, m, pool, k, warmup, repeats, exa
             def draw(smp=smp, n=n, mode=mode):
                 return smp.sample(hidden, n) if mode == "per-query" else smp.sample_shared(hidden, n)
 
-            label = f"{name}/{mode}"
-            cases.append(
-                (
-                    label,
-                    f"sampled_softmax_loss {name}, {mode}, {'M' if mode == 'per-query' else 'P'}={n}",
-                    (n + extra) / v,
-                    fn,
-                    draw,
-                )
-            )
+            what = f"sampled_softmax_loss {name}, {mode}, {'M' if mode == 'per-query' else 'P'}={n}"
+            cases.append((f"{name}/{mode}", what, (n + extra) / v, fn, draw))
 
     out = []
-    for case in cases:
-        label, what, flop_ratio, fn = case[:4]
+    for label, what, flop_ratio, fn, *draw in cases:
         if label in args.skip_cases:
             continue
-        draw = case[4] if len(case) > 4 else None
         rec = {"V": v, "D": d, "T": t, "case": label, "what": what, "flop_ratio": flop_ratio or None}
         est = estimate_bytes(label, t, v, d, elt)
         if est > budget:
@@ -386,52 +248,15 @@ def run_size(args, device, dtype, env, t, d, v, m, pool, k, warmup, repeats, exa
             print(f"{label:22s} skipped: {rec['skipped']}")
             out.append(rec)
             continue
-        rec.update(
-            {
-                "ms": stats["p50"],
-                "warm": stats.get("warm", True),
-                "ms_p20": stats["p20"],
-                "ms_p80": stats["p80"],
-                "repeats": stats["n"],
-                "peak_bytes": mem["peak_bytes"],
-                "memory_method": mem["method"],
-            }
-        )
-        if draw is not None:
-            rec["sampling_ms"] = common.time_op(draw, device, warmup=1, repeats=repeats)["p50"]
-        rows.append(
-            common.row(
-                env,
-                op="head_fwd_bwd",
-                provider=label,
-                metric="time",
-                unit="ms",
-                x_name="V",
-                x_value=v,
-                stats=stats,
-                D=d,
-                T=t,
-            )
-        )
-        rows.append(
-            common.row(
-                env,
-                op="head_fwd_bwd",
-                provider=label,
-                metric="peak_memory",
-                unit="bytes",
-                x_name="V",
-                x_value=v,
-                value=mem["peak_bytes"],
-                D=d,
-                T=t,
-                method=mem["method"],
-            )
-        )
-        print(
-            f"{label:22s} {common.fmt_ms(stats['p50']):>10s}  peak {common.fmt_bytes(mem['peak_bytes']):>10s}"
-            + (f"  (sampling {common.fmt_ms(rec['sampling_ms'])})" if "sampling_ms" in rec else "")
-        )
+        rec.update({"ms": stats["p50"], "warm": stats.get("warm", True), "ms_p20": stats["p20"], "ms_p80": stats["p80"],
+                    "repeats": stats["n"], "peak_bytes": mem["peak_bytes"], "memory_method": mem["method"]})  # fmt: skip
+        if draw:
+            rec["sampling_ms"] = common.time_op(draw[0], device, warmup=1, repeats=repeats)["p50"]
+        where = dict(op="head_fwd_bwd", provider=label, x_name="V", x_value=v, D=d, T=t)
+        rows.append(common.row(env, metric="time", unit="ms", stats=stats, **where))
+        rows.append(common.row(env, metric="peak_memory", unit="bytes", value=mem["peak_bytes"], method=mem["method"], **where))
+        print(f"{label:22s} {common.fmt_ms(stats['p50']):>10s}  peak {common.fmt_bytes(mem['peak_bytes']):>10s}"
+              + (f"  (sampling {common.fmt_ms(rec['sampling_ms'])})" if "sampling_ms" in rec else ""))  # fmt: skip
         out.append(rec)
         common.free_memory(device)
 
@@ -466,8 +291,7 @@ def check_targets(results):
             if r is None or r.get("speedup_vs_hf") is None:
                 rec["status"] = "not measured"
             else:
-                rec["speedup"] = r["speedup_vs_hf"]
-                rec["memory_ratio"] = r["memory_ratio_vs_hf"]
+                rec["speedup"], rec["memory_ratio"] = r["speedup_vs_hf"], r["memory_ratio_vs_hf"]
                 ok = r["speedup_vs_hf"] >= speed and (mem is None or r["memory_ratio_vs_hf"] >= mem)
                 rec["status"] = "met" if ok else "missed"
             checks.append(rec)
@@ -475,110 +299,56 @@ def check_targets(results):
 
 
 def render_markdown(env, settings, results, builds, targets):
-    parts = [common.header_markdown("Output layer + loss, forward + backward", env, settings), ""]
-    parts.append(
-        "Speed-up and memory ratio are against the HF way (full logits + `F.cross_entropy`) in the same "
-        "run; ideal = V / (M + 2K) (per-query) or V / (P + 2K) (shared), the FLOP ratio a sampled head "
-        "could reach.\n"
-    )
+    def skipped_or(fn):
+        return lambda r: fn(r) if "skipped" not in r else None
+
+    parts = ["Speed-up and memory ratio are against the HF way (full logits + `F.cross_entropy`) in the same "
+             "run; ideal = V / (M + 2K) (per-query) or V / (P + 2K) (shared), the FLOP ratio a sampled head "
+             "could reach.\n"]  # fmt: skip
     for d in sorted({r["D"] for r in results}):
         parts.append(f"## D = {d}\n")
-        table = []
-        for r in (x for x in results if x["D"] == d):
-            if "skipped" in r:
-                table.append({"V": r["V"], "case": r["case"], "time": f"skipped: {r['skipped']}"})
-                continue
-            table.append(
-                {
-                    "V": r["V"],
-                    "case": r["case"],
-                    "time": common.fmt_ms(r["ms"]) + ("" if r.get("warm", True) else " *"),
-                    "sampling": common.fmt_ms(r.get("sampling_ms")),
-                    "peak": common.fmt_bytes(r["peak_bytes"]),
-                    "speed": common.fmt_ratio(r.get("speedup_vs_hf")),
-                    "mem": common.fmt_ratio(r.get("memory_ratio_vs_hf")),
-                    "speed_c": common.fmt_ratio(r.get("speedup_vs_chunked")),
-                    "speed_x": common.fmt_ratio(r.get("speedup_vs_fastest_exact")),
-                    "ideal": common.fmt_ratio(r.get("ideal_speedup"), 0),
-                }
-            )
-        parts.append(
-            common.markdown_table(
-                table,
-                [
-                    ("V", "V"),
-                    ("case", "case"),
-                    ("time (p50)", "time"),
-                    ("of which sampling", "sampling"),
-                    ("peak memory", "peak"),
-                    ("speed-up vs HF", "speed"),
-                    ("memory vs HF", "mem"),
-                    ("speed-up vs chunked", "speed_c"),
-                    ("vs fastest exact", "speed_x"),
-                    ("ideal (FLOPs)", "ideal"),
-                ],
-            )
-        )
+        parts.append(common.markdown_table([x for x in results if x["D"] == d], [
+            ("V", "V"), ("case", "case"),
+            ("time (p50)", lambda r: f"skipped: {r['skipped']}" if "skipped" in r
+             else common.fmt_ms(r["ms"]) + ("" if r.get("warm", True) else " *")),
+            ("of which sampling", skipped_or(lambda r: common.fmt_ms(r.get("sampling_ms")))),
+            ("peak memory", skipped_or(lambda r: common.fmt_bytes(r["peak_bytes"]))),
+            ("speed-up vs HF", skipped_or(lambda r: common.fmt_ratio(r.get("speedup_vs_hf")))),
+            ("memory vs HF", skipped_or(lambda r: common.fmt_ratio(r.get("memory_ratio_vs_hf")))),
+            ("speed-up vs chunked", skipped_or(lambda r: common.fmt_ratio(r.get("speedup_vs_chunked")))),
+            ("vs fastest exact", skipped_or(lambda r: common.fmt_ratio(r.get("speedup_vs_fastest_exact")))),
+            ("ideal (FLOPs)", skipped_or(lambda r: common.fmt_ratio(r.get("ideal_speedup"), 0))),
+        ]))  # fmt: skip
         if any(not r.get("warm", True) for r in results if r["D"] == d and "ms" in r):
             parts.append("\n\\* a single call: the first one already took longer than --budget_s.")
         parts.append("")
     if builds:
         parts.append("## Index build (k-means, not in the step time)\n")
-        parts.append(
-            common.markdown_table(
-                [{**b, "build": f"{b['build_s']:.2f} s"} for b in builds],
-                [
-                    ("V", "V"),
-                    ("D", "D"),
-                    ("sampler", "sampler"),
-                    ("K", "K"),
-                    ("k-means iters", "kmeans_iters"),
-                    ("backend", "kmeans_backend"),
-                    ("build time", "build"),
-                ],
-            )
-        )
-        parts.append("")
+        parts.append(common.markdown_table(builds, [
+            ("V", "V"), ("D", "D"), ("sampler", "sampler"), ("K", "K"), ("k-means iters", "kmeans_iters"),
+            ("backend", "kmeans_backend"), ("build time", lambda b: f"{b['build_s']:.2f} s")]) + "\n")  # fmt: skip
     parts.append("## Targets (D = 256)\n")
-    parts.append(
-        common.markdown_table(
-            [
-                {
-                    **c,
-                    "speed": common.fmt_ratio(c.get("speedup")),
-                    "mem": common.fmt_ratio(c.get("memory_ratio")),
-                    "want": f">= {c['min_speedup']:.0f}x faster"
-                    + (f", >= {c['min_memory_ratio']:.0f}x less memory" if c["min_memory_ratio"] else ""),
-                }
-                for c in targets
-            ],
-            [
-                ("V", "V"),
-                ("case", "case"),
-                ("target", "want"),
-                ("speed-up", "speed"),
-                ("memory ratio", "mem"),
-                ("status", "status"),
-            ],
-        )
-    )
-    return "\n".join(parts)
+    parts.append(common.markdown_table(targets, [
+        ("V", "V"), ("case", "case"),
+        ("target", lambda c: f">= {c['min_speedup']:.0f}x faster"
+         + (f", >= {c['min_memory_ratio']:.0f}x less memory" if c["min_memory_ratio"] else "")),
+        ("speed-up", lambda c: common.fmt_ratio(c.get("speedup"))),
+        ("memory ratio", lambda c: common.fmt_ratio(c.get("memory_ratio"))), ("status", "status")]))  # fmt: skip
+    return common.report("Output layer + loss, forward + backward", env, settings, *parts)
 
 
 def plot(out_dir, results):
-    exact = ("hf", "torch-chunked", "liger")
+    def style(case):
+        return {"marker": "o", "linestyle": "-" if case in ("hf", "torch-chunked", "liger") else "--"}
+
     for d in sorted({r["D"] for r in results}):
-        rs = [r for r in results if r["D"] == d and "ms" in r]
-        cases = dict.fromkeys(r["case"] for r in rs)
-        time = {c: [(r["V"], r["ms"]) for r in rs if r["case"] == c] for c in cases}
-        memory = {c: [(r["V"], r["peak_bytes"] / 2**20) for r in rs if r["case"] == c] for c in cases}
-        dashed = [c for c in cases if c not in exact]
-        common.line_plot(out_dir, f"{NAME}_D{d}.png", [
-            dict(series=time, dashed=dashed, title=f"Head + loss, D={d}", xlabel="V (classes)",
-                 ylabel="forward + backward (ms)"),
-            dict(series=memory, dashed=dashed, title="Peak memory of the step", xlabel="V (classes)",
-                 ylabel="peak memory (MiB)", legend=None),
-        ])  # fmt: skip
+        rows = [{**r, "mib": r["peak_bytes"] / 2**20} for r in results if r["D"] == d and "ms" in r]
+        axes = dict(style=style, xscale="log", yscale="log", xlabel="V (classes)")
+        common.plot_panels(out_dir, f"{NAME}_D{d}.png", [
+            {"lines": common.lines(rows, "V", "ms", "case"), "ylabel": "forward + backward (ms)",
+             "title": f"Head + loss, D={d}", **axes},
+            {"lines": common.lines(rows, "V", "mib", "case"), "ylabel": "peak memory (MiB)",
+             "title": "Peak memory of the step", "legend": 0, **axes}], size=(6, 4.5))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ every sampler of ``hf_midx.SAMPLERS`` is measured by
   w.r.t. the hidden states and w.r.t. the head weight, with the Monte-Carlo noise of that mean
   (``se``) and the bias with the noise removed (``debiased``: sqrt(max(0, d^2 - se^2)));
 
-for the MIDX samplers at K in {8, 16, 32, 64, 128} and for the variants of issue 9 (``VARIANTS``:
-defensive mixtures, the frequency last stage, an exact head) at ``--plot_k``; k-means codebooks against
+for the MIDX samplers at K in {8, 16, 32, 64, 128} and for the variants of issue 9 that are a proposal
+alone (``common.VARIANTS``: defensive mixtures, the frequency last stage, an exact head) at ``--plot_k``; k-means codebooks against
 ``hf_midx.LearnableCodebooks`` trained for ``--learn_steps`` steps (the paper: KL 1.56 -> 1.29 for
 rq); and plots the cumulative sampling distributions (mean over queries) against the softmax, classes
 ordered by training frequency and by softmax probability, like the paper's figures.
@@ -37,6 +37,7 @@ Run: ``python recipes/benchmarks/bench_kl.py --out bench-out [--quick] [--model_
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
 import time
@@ -50,36 +51,24 @@ from hf_midx.diagnostics import proposal_diagnostics
 
 if __package__:
     from . import common
-else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+else:  # run as a file: this folder is first on sys.path
     import common
 
 NAME = "bench_kl"
 MIDX = ("midx-rq", "midx-pq", "midx-exact")
 PAPER_LEARNED = {"midx-pq": (2.2421, 1.6625), "midx-rq": (1.5551, 1.2905)}  # KL k-means -> learned (PTB, LSTM)
-#: The variants of issue 9 measured by default (common.VARIANTS: MidxConfig overrides), at --plot_k.
-VARIANTS = (
-    "midx-rq-mix", "midx-rq-mix-uniform", "midx-rq-frequency", "midx-rq-frequency-mix", "midx-rq-head2k",
-    "midx-rq-head2k-nomix", "midx-rq-head2k-frequency-mix", "midx-rq-head512", "midx-rq-head1k", "midx-rq-head4k",
-    "unigram-head2k",
-)  # fmt: skip
 DIAGNOSTICS = ("kl_qp", "kl_pq", "ess", "ess_sampled", "mass_p_over_q_gt_10")
 
 
 def parse_args(argv=None):
-    p = common.base_parser(__doc__.splitlines()[0])
-    p.add_argument(
-        "--source",
-        default="auto",
-        choices=["auto", "model", "train", "synthetic"],
-        help="trained embeddings: auto = model with --model_dir, else train when the data exists "
-        "(not in --quick), else synthetic",
-    )
+    p = common.base_parser(__doc__.splitlines()[0], num_samples=20,
+                           samplers=(None, "default: all of hf_midx.SAMPLERS and the proposal variants"))  # fmt: skip
+    p.add_argument("--source", default="auto", choices=["auto", "model", "train", "synthetic"],
+                   help="trained embeddings: auto = model with --model_dir, else train when the data exists "
+                   "(not in --quick), else synthetic")  # fmt: skip
     p.add_argument("--model_dir", default=None, help="a model saved by recipes/wikitext2.py (head weight + tokenizer)")
-    p.add_argument(
-        "--data_dir",
-        default=None,
-        help="WikiText-style folder (train.txt, valid.txt); default ../shared/data/wikitext-2 if present",
-    )
+    p.add_argument("--data_dir", default=None,
+                   help="WikiText-style folder (train.txt, valid.txt); default ../shared/data/wikitext-2 if present")  # fmt: skip
     p.add_argument("--train_steps", type=int, default=400, help="--source train: optimizer steps of the recipe")
     p.add_argument("--train_sampler", default="full", help="--source train: the recipe's --sampler")
     p.add_argument("--recipe_args", default="", help="--source train: extra flags for recipes/wikitext2.py")
@@ -87,28 +76,15 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=None, help="synthetic D (default 200; quick 64)")
     p.add_argument("--queries", type=int, default=None, help="S queries for KL and gradients (default 256; quick 64)")
     p.add_argument("--codebook_sizes", type=int, nargs="+", default=None, help="K values (default 8 16 32 64 128)")
-    p.add_argument("--num_samples", type=int, default=20, help="M negatives per token for the gradient bias")
     p.add_argument("--grad_repeats", type=int, default=None, help="R draws averaged (default 50; quick 6)")
     p.add_argument("--learn_k", type=int, default=32, help="K of the learned-codebook comparison")
-    p.add_argument(
-        "--learn_steps", type=int, default=None, help="LearnableCodebooks Adam steps (default 300; quick 20)"
-    )
+    p.add_argument("--learn_steps", type=int, default=None, help="LearnableCodebooks Adam steps (default 300; quick 20)")
     p.add_argument("--learn_lr", type=float, default=1e-3, help="their learning rate (MidxConfig's default)")
     p.add_argument("--learn_queries", type=int, default=64, help="queries per step in the KL term (kl_queries)")
     p.add_argument("--plot_k", type=int, default=None, help="K of the cumulative-distribution plot (default 32)")
-    p.add_argument(
-        "--samplers", nargs="+", default=None, help="default: all of hf_midx.SAMPLERS and issue 9's VARIANTS; any of common.VARIANTS"
-    )
-    p.add_argument(
-        "--estimator",
-        default=None,
-        help="the sampled loss's estimator for the gradient bias (default: MidxConfig's)",
-    )
-    p.add_argument(
-        "--ppl_json",
-        default=None,
-        help="JSON object: sampler/variant name -> test perplexity of a run with it; adds the 'predicts perplexity' table",
-    )
+    p.add_argument("--estimator", default=None, help="the sampled loss's estimator for the gradient bias (default: MidxConfig's)")
+    p.add_argument("--ppl_json", default=None, help="JSON object: sampler/variant name -> test perplexity of a run "
+                   "with it; adds the 'predicts perplexity' table")  # fmt: skip
     return common.parse(p, argv)
 
 
@@ -129,11 +105,8 @@ def synthetic_source(v: int, d: int, n: int, seed: int) -> dict:
     u = torch.nn.functional.normalize(torch.randn(d, generator=g), dim=0)
     assign = torch.randint(clusters, (v,), generator=g)
     logf = (counts / counts.sum()).log().float()
-    weight = (
-        centers[assign]
-        + 0.5 * torch.randn(v, d, generator=g) / math.sqrt(d)
-        + 0.35 * (logf - logf.mean()).unsqueeze(1) * u
-    )
+    noise = 0.5 * torch.randn(v, d, generator=g) / math.sqrt(d)
+    weight = centers[assign] + noise + 0.35 * (logf - logf.mean()).unsqueeze(1) * u
     labels = torch.multinomial(counts.float(), n, replacement=True, generator=g)
     base = centers[assign[labels]] + 0.6 * torch.randn(n, d, generator=g) / math.sqrt(d) + 0.4 * u
     target = 0.5 * math.log(v)
@@ -148,25 +121,16 @@ def synthetic_source(v: int, d: int, n: int, seed: int) -> dict:
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if entropy(mid) > target else (lo, mid)
     scale = math.sqrt(lo * hi)
-    return {
-        "weight": weight,
-        "queries": scale * base,
-        "labels": labels,
-        "counts": counts,
-        "description": f"structured synthetic embeddings (V={v}, D={d}, 64 clusters, Zipf(1) frequencies, "
-        f"query scale {scale:.2f} for a mean softmax entropy of log(V)/2)",
-    }
+    return {"weight": weight, "queries": scale * base, "labels": labels, "counts": counts,
+            "description": f"structured synthetic embeddings (V={v}, D={d}, 64 clusters, Zipf(1) frequencies, "
+            f"query scale {scale:.2f} for a mean softmax entropy of log(V)/2)"}  # fmt: skip
 
 
 def random_source(v: int, d: int, n: int, counts: torch.Tensor, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed + 1)
-    return {
-        "weight": torch.randn(v, d, generator=g) * 0.02,
-        "queries": torch.randn(n, d, generator=g),
-        "labels": torch.multinomial(counts.float(), n, replacement=True, generator=g),
-        "counts": counts,
-        "description": f"random initialization (V={v}, D={d}): weights N(0, 0.02^2), queries N(0, 1)",
-    }
+    return {"weight": torch.randn(v, d, generator=g) * 0.02, "queries": torch.randn(n, d, generator=g),
+            "labels": torch.multinomial(counts.float(), n, replacement=True, generator=g), "counts": counts,
+            "description": f"random initialization (V={v}, D={d}): weights N(0, 0.02^2), queries N(0, 1)"}  # fmt: skip
 
 
 def model_source(model_dir: str, data_dir: str | None, n: int, seed: int) -> dict:
@@ -176,67 +140,34 @@ def model_source(model_dir: str, data_dir: str | None, n: int, seed: int) -> dic
     lm_data = common.import_recipe("lm_data")
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    files = common.data_files(data_dir) or {
-        "train": common.SAMPLE_DATA_DIR / "train.txt",
-        "validation": common.SAMPLE_DATA_DIR / "valid.txt",
-    }
+    sample = {"train": common.SAMPLE_DATA_DIR / "train.txt", "validation": common.SAMPLE_DATA_DIR / "valid.txt"}
+    files = common.data_files(data_dir) or sample
     weight = model.get_output_embeddings().weight.detach().float()
     v = weight.shape[0]
-    train_ids = lm_data.encode_lines(tok, lm_data.read_lines(files["train"]))
-    counts = lm_data.token_counts(train_ids, v).double()
+    counts = lm_data.token_counts(lm_data.encode_lines(tok, lm_data.read_lines(files["train"])), v).double()
     valid_ids = lm_data.encode_lines(tok, lm_data.read_lines(files["validation"]))
     seq = min(50, int(getattr(model.config, "n_positions", 51)) - 1)
     blocks = lm_data.TokenBlocks.from_stream(valid_ids, seq).data
-    need = max(1, math.ceil(4 * n / seq))
     g = torch.Generator().manual_seed(seed)
-    pick = blocks[torch.randperm(len(blocks), generator=g)[:need]]
-    hidden = []
+    pick = blocks[torch.randperm(len(blocks), generator=g)[: max(1, math.ceil(4 * n / seq))]]
     with torch.no_grad():
-        for chunk in pick.split(32):
-            out = model(input_ids=chunk, output_hidden_states=True)
-            hidden.append(out.hidden_states[-1][:, :-1].reshape(-1, weight.shape[1]).float())
-    hidden = torch.cat(hidden)
+        hidden = torch.cat([model(input_ids=chunk, output_hidden_states=True).hidden_states[-1][:, :-1]
+                            .reshape(-1, weight.shape[1]).float() for chunk in pick.split(32)])  # fmt: skip
     labels = pick[:, 1:].reshape(-1)
     keep = torch.randperm(hidden.shape[0], generator=g)[: 2 * n]
-    return {
-        "weight": weight,
-        "queries": hidden[keep],
-        "labels": labels[keep],
-        "counts": counts,
-        "description": f"model {model_dir} (V={v}, D={weight.shape[1]}): head weight and final hidden states "
-        f"of {files['validation'].name}",
-    }
+    return {"weight": weight, "queries": hidden[keep], "labels": labels[keep], "counts": counts,
+            "description": f"model {model_dir} (V={v}, D={weight.shape[1]}): head weight and final hidden states "
+            f"of {files['validation'].name}"}  # fmt: skip
 
 
 def train_model(args, out_dir: Path, files: dict) -> str:
     """Train the paper's WikiText-2 model with the recipe for ``--train_steps`` steps; returns its folder."""
     wikitext2 = common.import_recipe("wikitext2")
     folder = out_dir / "bench_kl_model"
-    argv = [
-        "--train_file",
-        str(files["train"]),
-        "--validation_file",
-        str(files["validation"]),
-        "--output_dir",
-        str(folder),
-        "--sampler",
-        args.train_sampler,
-        "--max_steps",
-        str(args.train_steps),
-        "--eval_strategy",
-        "no",
-        "--save_strategy",
-        "no",
-        "--logging_steps",
-        "50",
-        "--disable_tqdm",
-        "true",
-        "--max_eval_samples",
-        "64",
-        "--seed",
-        str(args.seed),
-        *shlex.split(args.recipe_args),
-    ]
+    argv = ["--train_file", str(files["train"]), "--validation_file", str(files["validation"]),
+            "--output_dir", str(folder), "--sampler", args.train_sampler, "--max_steps", str(args.train_steps),
+            "--eval_strategy", "no", "--save_strategy", "no", "--logging_steps", "50", "--disable_tqdm", "true",
+            "--max_eval_samples", "64", "--seed", str(args.seed), *shlex.split(args.recipe_args)]  # fmt: skip
     print(f"training the recipe's model for the 'trained' embeddings: wikitext2.py {' '.join(argv)}")
     t0 = time.perf_counter()
     wikitext2.main(argv)
@@ -246,45 +177,40 @@ def train_model(args, out_dir: Path, files: dict) -> str:
 
 # ---------------------------------------------------------------------------- measurements
 def build(name: str, weight, counts, k: int, seed: int, rq=None):
+    if name in common.VARIANTS:
+        return common.build_variant(name, weight, counts, codebook_size=k, seed=seed)
     if name == "midx-exact" and rq is not None:
         smp = hf_midx.build_sampler(name, weight, codebook_size=k, seed=seed, kmeans_iters=0)
         state = rq.state_dict()
         state["embeddings"] = weight
         smp.load_state_dict(state)
         return smp
-    return common.build_sampler(name, weight, counts, codebook_size=k, seed=seed)
+    return hf_midx.build_sampler(name, weight, codebook_size=k, class_counts=counts, seed=seed)
 
 
-def measure(smp, src: dict, s_idx, g_idx, log_p, full_grads, args) -> dict:
+def measure(smp, src: dict, s_idx, g_idx, full_grads, args) -> tuple[dict, torch.Tensor]:
     weight, queries, labels = src["weight"], src["queries"], src["labels"]
     q = queries[s_idx]
-    diag = proposal_diagnostics(smp, q, weight, num_samples=args.num_samples)
-    rec = {key: float(value) for key, value in diag.items()}
-    log_q = smp.full_log_prob(q)
+    rec = {key: float(value) for key, value in proposal_diagnostics(smp, q, weight, num_samples=args.num_samples).items()}
     rec.update(grad_bias(smp, weight, queries[g_idx], labels[g_idx], full_grads, args))
-    return rec, log_q.exp().mean(0)
+    return rec, smp.full_log_prob(q).exp().mean(0)
 
 
 def full_gradients(weight, hidden, labels):
-    h = hidden.clone().requires_grad_()
-    w = weight.clone().requires_grad_()
-    loss = hf_midx.full_softmax_loss(h, w, labels)
-    gh, gw = torch.autograd.grad(loss, (h, w))
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    gh, gw = torch.autograd.grad(hf_midx.full_softmax_loss(h, w, labels), (h, w))
     return {"hidden": gh, "weight": gw}
 
 
 def grad_bias(smp, weight, hidden, labels, full, args) -> dict:
-    h = hidden.clone().requires_grad_()
-    w = weight.clone().requires_grad_()
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     sums = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in full.items()}
     sq = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in full.items()}
     r = args.grad_repeats
     for _ in range(r):
-        loss = hf_midx.sampled_softmax_loss(
-            h, w, labels, smp, args.num_samples, estimator=args.estimator, exact_ids=smp.excluded
-        )
-        gh, gw = torch.autograd.grad(loss, (h, w))
-        for key, g in (("hidden", gh), ("weight", gw)):
+        loss = hf_midx.sampled_softmax_loss(h, w, labels, smp, args.num_samples, estimator=args.estimator,
+                                            exact_ids=smp.excluded)  # fmt: skip
+        for key, g in zip(("hidden", "weight"), torch.autograd.grad(loss, (h, w))):
             g = g.double()
             sums[key] += g
             sq[key] += g * g
@@ -310,15 +236,12 @@ def learn_codebooks(smp, src, train_idx, args) -> dict:
     history = []
     t0 = time.perf_counter()
     for step in range(args.learn_steps):
-        pick = torch.randint(queries.shape[0], (args.learn_queries,), generator=g)
-        out = cb(weight, queries[pick])
+        out = cb(weight, queries[torch.randint(queries.shape[0], (args.learn_queries,), generator=g)])
         opt.zero_grad()
         out["loss"].backward()
         opt.step()
         if step == 0 or (step + 1) % max(1, args.learn_steps // 10) == 0:
-            history.append(
-                {"step": step + 1, "loss": float(out["loss"]), "recon": float(out["recon"]), "kl": float(out["kl"])}
-            )
+            history.append({"step": step + 1, **{k: float(out[k]) for k in ("loss", "recon", "kl")}})
     smp.set_codebooks(cb.codebooks, weight)
     return {"history": history, "seconds": time.perf_counter() - t0}
 
@@ -327,8 +250,7 @@ def run_source(label: str, src: dict, args, samplers, ks) -> dict:
     weight, queries = src["weight"].float(), src["queries"].float()
     src["weight"], src["queries"] = weight, queries
     v, d = weight.shape
-    g = torch.Generator().manual_seed(args.seed + 5)
-    perm = torch.randperm(queries.shape[0], generator=g)
+    perm = torch.randperm(queries.shape[0], generator=torch.Generator().manual_seed(args.seed + 5))
     s = min(args.queries, queries.shape[0] // 2)
     s_idx, train_idx = perm[:s], perm[s:]
     g_idx = s_idx  # the gradient bias uses the same held-out queries, with their labels
@@ -342,95 +264,57 @@ def run_source(label: str, src: dict, args, samplers, ks) -> dict:
     for name in samplers:
         for k in ks if name in MIDX else [args.plot_k if name in common.VARIANTS else None]:
             t0 = time.perf_counter()
-            rq = None
-            if name == "midx-exact":
-                rq = build("midx-rq", weight, src["counts"], k, args.seed)
+            rq = build("midx-rq", weight, src["counts"], k, args.seed) if name == "midx-exact" else None
             smp = build(name, weight, src["counts"], k or 64, args.seed, rq=rq)
-            rec, mq = measure(smp, src, s_idx, g_idx, log_p, full, args)
-            rec.update(
-                {
-                    "source": label,
-                    "sampler": name,
-                    "K": k,
-                    "codebooks": "kmeans" if k else None,
-                    "seconds": time.perf_counter() - t0,
-                }
-            )
+            rec, mq = measure(smp, src, s_idx, g_idx, full, args)
+            rec.update({"source": label, "sampler": name, "K": k, "codebooks": "kmeans" if k else None,
+                        "seconds": time.perf_counter() - t0})  # fmt: skip
             if name in ("midx-rq", "midx-pq"):
                 rec["distortion"] = smp.index.distortion(weight)
             results.append(rec)
             if k is None or k == args.plot_k:
                 mean_q[name] = mq
-            print(
-                f"{name:12s} K={k or '-':>4}: KL(Q||P) {rec['kl_qp']:.4f}  KL(P||Q) {rec['kl_pq']:.4f}  "
-                f"ESS {rec['ess']:.3f} (sampled {rec['ess_sampled']:.3f})  p/q>10 mass {rec['mass_p_over_q_gt_10']:.3f}  "
-                f"grad bias hidden {rec['grad_bias_hidden']:.4f} (se {rec['grad_se_hidden']:.4f})  "
-                f"weight {rec['grad_bias_weight']:.4f}"
-            )
+            print(f"{name:12s} K={k or '-':>4}: KL(Q||P) {rec['kl_qp']:.4f}  KL(P||Q) {rec['kl_pq']:.4f}  "
+                  f"ESS {rec['ess']:.3f} (sampled {rec['ess_sampled']:.3f})  p/q>10 mass {rec['mass_p_over_q_gt_10']:.3f}  "
+                  f"grad bias hidden {rec['grad_bias_hidden']:.4f} (se {rec['grad_se_hidden']:.4f})  "
+                  f"weight {rec['grad_bias_weight']:.4f}")  # fmt: skip
             if name in ("midx-rq", "midx-pq") and k == args.learn_k and len(train_idx) > 0:
                 learned = learn_codebooks(smp, src, train_idx, args)
-                lrec, lq = measure(smp, src, s_idx, g_idx, log_p, full, args)
-                lrec.update(
-                    {
-                        "source": label,
-                        "sampler": name,
-                        "K": k,
-                        "codebooks": "learned",
-                        "distortion": smp.index.distortion(weight),
-                        "learn": learned,
-                        "kmeans_kl_qp": rec["kl_qp"],
-                    }
-                )
+                lrec, lq = measure(smp, src, s_idx, g_idx, full, args)
+                lrec.update({"source": label, "sampler": name, "K": k, "codebooks": "learned", "learn": learned,
+                             "distortion": smp.index.distortion(weight), "kmeans_kl_qp": rec["kl_qp"]})  # fmt: skip
                 results.append(lrec)
                 mean_q[f"{name} (learned)"] = lq
-                print(
-                    f"{name:12s} K={k:>4} learned ({args.learn_steps} steps, {learned['seconds']:.0f} s): "
-                    f"KL(Q||P) {rec['kl_qp']:.4f} -> {lrec['kl_qp']:.4f}"
-                )
-    order_freq = torch.argsort(src["counts"].double(), descending=True, stable=True)
-    order_p = torch.argsort(mean_p, descending=True, stable=True)
+                print(f"{name:12s} K={k:>4} learned ({args.learn_steps} steps, {learned['seconds']:.0f} s): "
+                      f"KL(Q||P) {rec['kl_qp']:.4f} -> {lrec['kl_qp']:.4f}")  # fmt: skip
+    orders = {"by_frequency": torch.argsort(src["counts"].double(), descending=True, stable=True),
+              "by_softmax": torch.argsort(mean_p, descending=True, stable=True)}  # fmt: skip
     curves = {"softmax": mean_p, **mean_q}
-    cumulative = {
-        "by_frequency": {n: torch.cumsum(c[order_freq].double(), 0).float() for n, c in curves.items()},
-        "by_softmax": {n: torch.cumsum(c[order_p].double(), 0).float() for n, c in curves.items()},
-    }
-    return {
-        "label": label,
-        "description": src["description"],
-        "V": v,
-        "D": d,
-        "queries": s,
-        "softmax_entropy": entropy,
-        "results": results,
-        "cumulative": cumulative,
-    }
+    cumulative = {o: {n: torch.cumsum(c[idx].double(), 0).float() for n, c in curves.items()} for o, idx in orders.items()}
+    return {"label": label, "description": src["description"], "V": v, "D": d, "queries": s,
+            "softmax_entropy": entropy, "results": results, "cumulative": cumulative}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- main
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device = common.resolve_device(args.device)
-    if device.type != "cpu":
+    if common.resolve_device(args.device).type != "cpu":
         print("bench_kl measures distributions, not speed: it runs on the CPU.")
-    device = torch.device("cpu")
-    q, smoke = args.quick, args.smoke
-    args.queries = args.queries or (32 if smoke else 64 if q else 256)
-    args.grad_repeats = args.grad_repeats or (3 if smoke else 6 if q else 50)
-    args.learn_steps = args.learn_steps if args.learn_steps is not None else (5 if smoke else 20 if q else 300)
-    ks = args.codebook_sizes or ([8, 16] if smoke else [8, 32] if q else [8, 16, 32, 64, 128])
+    device, q = torch.device("cpu"), args.quick
+    args.queries = args.queries or common.by_size(args, 32, 64, 256)
+    args.grad_repeats = args.grad_repeats or common.by_size(args, 3, 6, 50)
+    args.learn_steps = args.learn_steps if args.learn_steps is not None else common.by_size(args, 5, 20, 300)
+    ks = args.codebook_sizes or common.by_size(args, [8, 16], [8, 32], [8, 16, 32, 64, 128])
     args.plot_k = args.plot_k or (32 if 32 in ks else ks[-1])
     if args.learn_k not in ks:
         args.learn_k = ks[-1] if q else args.learn_k
-    samplers = args.samplers or [*hf_midx.SAMPLERS, *VARIANTS]
-    unknown = sorted(set(samplers) - set(hf_midx.SAMPLERS) - set(common.VARIANTS))
+    known = [*hf_midx.SAMPLERS, *common.proposal_variants()]
+    samplers = args.samplers or known
+    unknown = sorted(set(samplers) - set(known))
     if unknown:
-        raise SystemExit(f"unknown sampler(s) {unknown}; choose from {', '.join([*hf_midx.SAMPLERS, *common.VARIANTS])}.")
+        raise SystemExit(f"unknown sampler(s) {unknown}; choose from {', '.join(known)}.")
     args.estimator = args.estimator or hf_midx.MidxConfig().estimator
-    ppl = None
-    if args.ppl_json:
-        import json  # noqa: PLC0415
-
-        ppl = json.loads(Path(args.ppl_json).read_text())
+    ppl = json.loads(Path(args.ppl_json).read_text()) if args.ppl_json else None
     files = common.data_files(args.data_dir)
     source = args.source
     if source == "auto":
@@ -440,90 +324,53 @@ def main(argv=None) -> dict:
     if source == "train" and not files:
         raise SystemExit("--source train needs WikiText-2 text: pass --data_dir (train.txt, valid.txt).")
     torch.manual_seed(args.seed)
-    env = common.environment(device)
-    settings = common.run_settings(
-        args,
-        source=source,
-        model_dir=args.model_dir,
-        data_dir=str(args.data_dir or common.DEFAULT_DATA_DIR),
-        queries=args.queries,
-        codebook_sizes=ks,
-        num_samples=args.num_samples,
-        grad_repeats=args.grad_repeats,
-        learn_k=args.learn_k,
-        learn_steps=args.learn_steps,
-        learn_lr=args.learn_lr,
-        learn_queries=args.learn_queries,
-        plot_k=args.plot_k,
-        samplers=samplers,
-        estimator=args.estimator,
-        ppl=ppl,
-    )
-    if source == "train":
-        settings.update(
-            {"train_steps": args.train_steps, "train_sampler": args.train_sampler, "recipe_args": args.recipe_args}
-        )
-    common.print_header(NAME, env, settings)
+    training = {"train_steps": args.train_steps, "train_sampler": args.train_sampler, "recipe_args": args.recipe_args}
+    env, settings = common.start(
+        NAME, args, device, source=source, model_dir=args.model_dir, data_dir=str(args.data_dir or common.DEFAULT_DATA_DIR),
+        queries=args.queries, codebook_sizes=ks, num_samples=args.num_samples, grad_repeats=args.grad_repeats,
+        learn_k=args.learn_k, learn_steps=args.learn_steps, learn_lr=args.learn_lr, learn_queries=args.learn_queries,
+        plot_k=args.plot_k, samplers=samplers, estimator=args.estimator, ppl=ppl, **(training if source == "train" else {}),
+    )  # fmt: skip
 
     n = 2 * args.queries + 4 * args.learn_queries
     if source in ("model", "train"):
         model_dir = args.model_dir if source == "model" else train_model(args, Path(args.out), files)
         trained = model_source(model_dir, args.data_dir, n, args.seed)
         if source == "train":
-            trained["description"] = (
-                f"the recipe's model trained here for {args.train_steps} steps "
-                f"(--sampler {args.train_sampler}); " + trained["description"]
-            )
+            trained["description"] = (f"the recipe's model trained here for {args.train_steps} steps "
+                                      f"(--sampler {args.train_sampler}); " + trained["description"])  # fmt: skip
     else:
-        v = args.vocab or (1000 if smoke else 4000 if q else 33278)
-        d = args.dim or (32 if smoke else 64 if q else 200)
-        trained = synthetic_source(v, d, n, args.seed)
+        trained = synthetic_source(args.vocab or common.by_size(args, 1000, 4000, 33278),
+                                   args.dim or common.by_size(args, 32, 64, 200), n, args.seed)  # fmt: skip
     v, d = trained["weight"].shape
     randomized = random_source(v, d, n, trained["counts"], args.seed)
     sources = [run_source("trained", trained, args, samplers, ks), run_source("random", randomized, args, samplers, ks)]
 
-    payload = {
-        "benchmark": NAME,
-        "settings": settings,
-        "environment": env,
-        "sources": [{k: v for k, v in s.items() if k != "cumulative"} for s in sources],
-        "rows": [
-            common.row(
-                env,
-                op="kl",
-                provider=r["sampler"]
-                + ("" if r["K"] is None else f"/K={r['K']}")
-                + (f"/{r['codebooks']}" if r.get("codebooks") == "learned" else ""),
-                metric="kl_q_p",
-                unit="nats",
-                x_name="source",
-                x_value=s["label"],
-                value=r["kl_qp"],
-            )
-            for s in sources
-            for r in s["results"]
-        ],
-        "paper_learned_codebooks": {k: {"kmeans": a, "learned": b} for k, (a, b) in PAPER_LEARNED.items()},
-    }
-    payload["cumulative_tail"] = {  # a few points of each curve, for readers of the JSON
-        s["label"]: {
-            order: {n: [float(c[min(i, len(c) - 1)]) for i in (0, 9, 99, 999, 9999)] for n, c in curves.items()}
-            for order, curves in s["cumulative"].items()
-        }
+    def provider(r):
+        return r["sampler"] + ("" if r["K"] is None else f"/K={r['K']}") + ("/learned" if r.get("codebooks") == "learned" else "")
+
+    rows = [common.row(env, op="kl", provider=provider(r), metric="kl_q_p", unit="nats", x_name="source",
+                       x_value=s["label"], value=r["kl_qp"]) for s in sources for r in s["results"]]  # fmt: skip
+    cumulative_tail = {  # a few points of each curve, for readers of the JSON
+        s["label"]: {order: {n: [float(c[min(i, len(c) - 1)]) for i in (0, 9, 99, 999, 9999)] for n, c in curves.items()}
+                     for order, curves in s["cumulative"].items()}
         for s in sources
-    }
+    }  # fmt: skip
+    extra = {"predicts_perplexity": predictiveness(sources[0], ppl, args.plot_k)} if ppl else {}
+    md = render_markdown(env, settings, sources)
     if ppl:
-        payload["predicts_perplexity"] = predictiveness(sources[0], ppl, args.plot_k)
-    md = render_markdown(env, settings, sources, ks, samplers)
-    if ppl:
-        md += "\n\n" + predictiveness_markdown(payload["predicts_perplexity"])
-    common.write_outputs(args.out, NAME, payload, md)
-    if not args.no_plots:
-        plot(args.out, sources, ks, samplers, args.plot_k)
+        md += "\n\n" + predictiveness_markdown(extra["predicts_perplexity"])
+
+    def plots():
+        plot(args.out, sources, samplers, args.plot_k)
         if ppl:
-            plot_predictiveness(args.out, payload["predicts_perplexity"])
-    print(md)
-    return payload
+            plot_predictiveness(args.out, extra["predicts_perplexity"])
+
+    return common.finish(
+        args, NAME, env, settings, md, plots, sources=[{k: v for k, v in s.items() if k != "cumulative"} for s in sources],
+        rows=rows, paper_learned_codebooks={k: {"kmeans": a, "learned": b} for k, (a, b) in PAPER_LEARNED.items()},
+        cumulative_tail=cumulative_tail, **extra,
+    )  # fmt: skip
 
 
 def _spearman(x: list[float], y: list[float]) -> float | None:
@@ -561,172 +408,103 @@ def predictiveness(source: dict, ppl: dict, plot_k: int) -> dict:
             points[name] = {"test_perplexity": float(ppl[name]), **{d: r[d] for d in DIAGNOSTICS}}
     names = sorted(points)
     ys = [math.log(points[n]["test_perplexity"]) for n in names]
-    corr = {}
-    for d in DIAGNOSTICS:
-        xs = [points[n][d] for n in names]
-        # ESS: larger is better, so its correlation with perplexity should be negative; the others positive.
-        corr[d] = _spearman(xs, ys)
+    # ESS: larger is better, so its correlation with perplexity should be negative; the others positive.
+    corr = {d: _spearman([points[n][d] for n in names], ys) for d in DIAGNOSTICS}
     return {"points": points, "spearman_vs_log_ppl": corr}
 
 
 def predictiveness_markdown(pred: dict) -> str:
-    rows = [
-        {"sampler": n, "ppl": f"{p['test_perplexity']:.1f}", **{d: _f4(p[d]) for d in DIAGNOSTICS}}
-        for n, p in sorted(pred["points"].items(), key=lambda kv: kv[1]["test_perplexity"])
-    ]
-    cols = [("sampler", "sampler"), ("test ppl of its run", "ppl")] + [(d, d) for d in DIAGNOSTICS]
     corr = pred["spearman_vs_log_ppl"]
-    rows.append({"sampler": "**Spearman vs ppl**", "ppl": "", **{d: "-" if corr[d] is None else f"{corr[d]:+.2f}" for d in DIAGNOSTICS}})
+    rows = [{"sampler": n, "ppl": f"{p['test_perplexity']:.1f}", **{d: _f4(p[d]) for d in DIAGNOSTICS}}
+            for n, p in sorted(pred["points"].items(), key=lambda kv: kv[1]["test_perplexity"])]  # fmt: skip
+    rows.append({"sampler": "**Spearman vs ppl**", "ppl": "",
+                 **{d: "-" if corr[d] is None else f"{corr[d]:+.2f}" for d in DIAGNOSTICS}})  # fmt: skip
+    cols = [("sampler", "sampler"), ("test ppl of its run", "ppl")] + [(d, d) for d in DIAGNOSTICS]
     return "## Which diagnostic predicts perplexity\n\n" + common.markdown_table(rows, cols)
 
 
 def plot_predictiveness(out_dir, pred: dict) -> None:
-    plt = common.pyplot()
-    fig, axes = plt.subplots(1, len(DIAGNOSTICS), figsize=(4 * len(DIAGNOSTICS), 3.8))
-    for ax, d in zip(axes, DIAGNOSTICS):
-        for name, p in pred["points"].items():
-            ax.scatter([p[d]], [p["test_perplexity"]], label=name)
-            ax.annotate(name, (p[d], p["test_perplexity"]), fontsize=6)
+    def panel(d):
+        def extra(ax):
+            for name, p in pred["points"].items():
+                ax.scatter([p[d]], [p["test_perplexity"]], label=name)
+                ax.annotate(name, (p[d], p["test_perplexity"]), fontsize=6)
+
         c = pred["spearman_vs_log_ppl"][d]
-        ax.set_title(f"{d} (Spearman {'-' if c is None else f'{c:+.2f}'})", fontsize=9)
-        ax.set_xlabel(d)
-        ax.set_ylabel("test perplexity of a run")
-        ax.grid(True, alpha=0.3)
-    common.save_figure(fig, out_dir, f"{NAME}_predicts_ppl.png")
+        return {"lines": {}, "extra": extra, "legend": 0, "xlabel": d, "ylabel": "test perplexity of a run",
+                "title": f"{d} (Spearman {'-' if c is None else f'{c:+.2f}'})"}  # fmt: skip
+
+    common.plot_panels(out_dir, f"{NAME}_predicts_ppl.png", [panel(d) for d in DIAGNOSTICS], size=(4, 3.8))
 
 
 def _f4(x: float) -> str:
     return f"{0.0 if abs(x) < 5e-5 else x:.4f}"  # no "-0.0000" from rounding noise
 
 
-def render_markdown(env, settings, sources, ks, samplers):
-    parts = [common.header_markdown("Sampling distributions vs the softmax", env, settings), ""]
+def render_markdown(env, settings, sources):
+    parts = []
     for s in sources:
         parts.append(f"## {s['label']}: {s['description']}\n")
-        parts.append(
-            f"Mean softmax entropy {s['softmax_entropy']:.3f} nats (uniform {math.log(s['V']):.3f}); "
-            f"{s['queries']} held-out queries; gradient bias over {settings['grad_repeats']} draws of "
-            f"M={settings['num_samples']} negatives per token.\n"
-        )
-        table = []
-        for r in s["results"]:
-            table.append(
-                {
-                    "sampler": r["sampler"],
-                    "K": r["K"] if r["K"] is not None else "-",
-                    "cb": r.get("codebooks") or "-",
-                    "klqp": f"{_f4(r['kl_qp'])}",
-                    "klpq": f"{_f4(r['kl_pq'])}",
-                    "ess": f"{_f4(r['ess'])} / {_f4(r['ess_sampled'])}",
-                    "miss": f"{_f4(r['mass_p_over_q_gt_10'])}",
-                    "gh": f"{_f4(r['grad_bias_hidden'])} ± {_f4(r['grad_se_hidden'])}",
-                    "ghd": f"{_f4(r['grad_bias_hidden_debiased'])}",
-                    "gw": f"{_f4(r['grad_bias_weight'])} ± {_f4(r['grad_se_weight'])}",
-                    "gwd": f"{_f4(r['grad_bias_weight_debiased'])}",
-                }
-            )
-        parts.append(
-            common.markdown_table(
-                table,
-                [
-                    ("sampler", "sampler"),
-                    ("K", "K"),
-                    ("codebooks", "cb"),
-                    ("KL(Q‖P)", "klqp"),
-                    ("KL(P‖Q)", "klpq"),
-                    ("ESS/M analytic / sampled", "ess"),
-                    ("P mass p/q>10", "miss"),
-                    ("grad bias, hidden (± MC se)", "gh"),
-                    ("hidden, noise removed", "ghd"),
-                    ("grad bias, weight (± MC se)", "gw"),
-                    ("weight, noise removed", "gwd"),
-                ],
-            )
-        )
-        parts.append("")
+        parts.append(f"Mean softmax entropy {s['softmax_entropy']:.3f} nats (uniform {math.log(s['V']):.3f}); "
+                     f"{s['queries']} held-out queries; gradient bias over {settings['grad_repeats']} draws of "
+                     f"M={settings['num_samples']} negatives per token.\n")  # fmt: skip
+        parts.append(common.markdown_table(s["results"], [
+            ("sampler", "sampler"), ("K", "K"), ("codebooks", "codebooks"),
+            ("KL(Q‖P)", lambda r: _f4(r["kl_qp"])), ("KL(P‖Q)", lambda r: _f4(r["kl_pq"])),
+            ("ESS/M analytic / sampled", lambda r: f"{_f4(r['ess'])} / {_f4(r['ess_sampled'])}"),
+            ("P mass p/q>10", lambda r: _f4(r["mass_p_over_q_gt_10"])),
+            ("grad bias, hidden (± MC se)", lambda r: f"{_f4(r['grad_bias_hidden'])} ± {_f4(r['grad_se_hidden'])}"),
+            ("hidden, noise removed", lambda r: _f4(r["grad_bias_hidden_debiased"])),
+            ("grad bias, weight (± MC se)", lambda r: f"{_f4(r['grad_bias_weight'])} ± {_f4(r['grad_se_weight'])}"),
+            ("weight, noise removed", lambda r: _f4(r["grad_bias_weight_debiased"])),
+        ]) + "\n")  # fmt: skip
         learned = [r for r in s["results"] if r.get("codebooks") == "learned"]
         if learned:
-            parts.append(
-                f"### k-means vs learned codebooks ({s['label']}, K={settings['learn_k']}, "
-                f"{settings['learn_steps']} Adam steps at lr {settings['learn_lr']})\n"
-            )
-            parts.append(
-                common.markdown_table(
-                    [
-                        {
-                            "sampler": r["sampler"],
-                            "km": f"{_f4(r['kmeans_kl_qp'])}",
-                            "ln": f"{_f4(r['kl_qp'])}",
-                            "paper": "{:.4f} -> {:.4f}".format(*PAPER_LEARNED[r["sampler"]]),
-                        }
-                        for r in learned
-                    ],
-                    [
-                        ("sampler", "sampler"),
-                        ("KL(Q‖P) k-means", "km"),
-                        ("KL(Q‖P) learned", "ln"),
-                        ("paper (PTB LSTM, its KL-loss)", "paper"),
-                    ],
-                )
-            )
-            parts.append("")
-    parts.append(
-        "KL(Q‖P) = Σ Q log(Q/P) over all V classes (hf_midx.kl_to_softmax). The gradient bias is "
-        "‖mean of R sampled gradients − full gradient‖ / ‖full gradient‖; '±' is the Monte-Carlo "
-        "standard error of that mean, which the 'noise removed' column subtracts in quadrature."
-    )
-    return "\n".join(parts)
+            parts.append(f"### k-means vs learned codebooks ({s['label']}, K={settings['learn_k']}, "
+                         f"{settings['learn_steps']} Adam steps at lr {settings['learn_lr']})\n")  # fmt: skip
+            parts.append(common.markdown_table(learned, [
+                ("sampler", "sampler"), ("KL(Q‖P) k-means", lambda r: _f4(r["kmeans_kl_qp"])),
+                ("KL(Q‖P) learned", lambda r: _f4(r["kl_qp"])),
+                ("paper (PTB LSTM, its KL-loss)", lambda r: "{:.4f} -> {:.4f}".format(*PAPER_LEARNED[r["sampler"]])),
+            ]) + "\n")  # fmt: skip
+    parts.append("KL(Q‖P) = Σ Q log(Q/P) over all V classes (hf_midx.kl_to_softmax). The gradient bias is "
+                 "‖mean of R sampled gradients − full gradient‖ / ‖full gradient‖; '±' is the Monte-Carlo "
+                 "standard error of that mean, which the 'noise removed' column subtracts in quadrature.")  # fmt: skip
+    return common.report("Sampling distributions vs the softmax", env, settings, *parts)
 
 
-def plot(out_dir, sources, ks, samplers, plot_k):
-    plt = common.pyplot()
+def plot(out_dir, sources, samplers, plot_k):
+    def style(name):
+        if name == "softmax":
+            return {"linewidth": 3, "color": "black", "zorder": 0}
+        return {"linewidth": 1, "linestyle": ":"} if name == "midx-exact" else {"linewidth": 1.2}
+
     for s in sources:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        for ax, (order, curves) in zip(axes, s["cumulative"].items()):
-            for name, c in curves.items():
-                x = torch.arange(1, len(c) + 1)
-                style = (
-                    {"linewidth": 3, "color": "black", "zorder": 0}
-                    if name == "softmax"
-                    else {"linewidth": 1, "linestyle": ":"}
-                    if name == "midx-exact"
-                    else {"linewidth": 1.2}
-                )
-                ax.plot(x.numpy(), c.numpy(), label=name, **style)
-            ax.set_xscale("log")
-            ax.set_xlabel("classes, " + ("most frequent first" if order == "by_frequency" else "most probable first"))
-            ax.set_ylabel("cumulative probability (mean over queries)")
-            ax.grid(True, which="both", alpha=0.3)
-        axes[0].set_title(f"{s['label']}: ordered by training frequency (MIDX K={plot_k})")
-        axes[1].set_title(f"{s['label']}: ordered by softmax probability")
-        axes[1].legend(fontsize=7)
-        common.save_figure(fig, out_dir, f"{NAME}_cumulative_{s['label']}.png")
-    fig, axes = plt.subplots(1, len(sources), figsize=(6 * len(sources), 4.5), squeeze=False)
-    for ax, s in zip(axes[0], sources):
-        for name in samplers:
-            pts = sorted(
-                (r["K"], r["kl_qp"]) for r in s["results"] if r["sampler"] == name and r.get("codebooks") != "learned"
-            )
-            if not pts:
-                continue
-            if pts[0][0] is None:
-                ax.axhline(pts[0][1], linestyle="--", linewidth=1, label=name, color=None)
-            else:
-                kx, kl = zip(*pts)
-                ax.plot(kx, kl, marker="o", label=name)
-        for r in s["results"]:
-            if r.get("codebooks") == "learned":
-                ax.plot(
-                    [r["K"]], [r["kl_qp"]], marker="*", markersize=12, linestyle="none", label=f"{r['sampler']} learned"
-                )
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("symlog", linthresh=1e-3)
-        ax.set_xlabel("K (codewords per codebook)")
-        ax.set_ylabel("KL(Q || softmax), nats")
-        ax.set_title(f"{s['label']} embeddings")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    common.save_figure(fig, out_dir, f"{NAME}_vs_K.png")
+        panels = [{"lines": {n: (torch.arange(1, len(c) + 1).numpy(), c.numpy()) for n, c in curves.items()},
+                   "style": style, "xscale": "log", "ylabel": "cumulative probability (mean over queries)",
+                   "xlabel": "classes, " + ("most frequent first" if order == "by_frequency" else "most probable first"),
+                   "title": f"{s['label']}: ordered by training frequency (MIDX K={plot_k})" if order == "by_frequency"
+                   else f"{s['label']}: ordered by softmax probability", "legend": 0 if order == "by_frequency" else 7}
+                  for order, curves in s["cumulative"].items()]  # fmt: skip
+        common.plot_panels(out_dir, f"{NAME}_cumulative_{s['label']}.png", panels)
+
+    def vs_k(s):
+        kmeans = [r for r in s["results"] if r.get("codebooks") != "learned"]
+        fixed = {r["sampler"]: r["kl_qp"] for r in kmeans if r["K"] is None and r["sampler"] in samplers}
+
+        def extra(ax):  # samplers without codebooks as horizontal lines, learned codebooks as stars
+            for name, kl in fixed.items():
+                ax.axhline(kl, linestyle="--", linewidth=1, label=name)
+            for r in s["results"]:
+                if r.get("codebooks") == "learned":
+                    ax.plot([r["K"]], [r["kl_qp"]], marker="*", markersize=12, linestyle="none", label=f"{r['sampler']} learned")
+
+        lines = common.lines([r for r in kmeans if r["K"] is not None], "K", "kl_qp", "sampler")
+        return {"lines": {n: lines[n] for n in samplers if n in lines}, "extra": extra, "xscale": ("log", {"base": 2}),
+                "yscale": ("symlog", {"linthresh": 1e-3}), "xlabel": "K (codewords per codebook)",
+                "ylabel": "KL(Q || softmax), nats", "title": f"{s['label']} embeddings"}  # fmt: skip
+
+    common.plot_panels(out_dir, f"{NAME}_vs_K.png", [vs_k(s) for s in sources])
 
 
 if __name__ == "__main__":

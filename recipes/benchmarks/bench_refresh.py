@@ -23,7 +23,7 @@ from hf_midx.diagnostics import proposal_diagnostics
 
 if __package__:
     from . import common
-else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+else:  # run as a file: this folder is first on sys.path
     import common
 
 NAME = "bench_refresh"
@@ -70,13 +70,8 @@ def run_variant(w, moved, counts, queries, backend: str, variant: str, seed: int
         quantizers.train_quantizer.__kwdefaults__["max_points_per_centroid"] = original
     idx = head.sampler.index
     cand = moved if head.sampler.candidates is None else moved[head.sampler.candidates]
-    rec = {
-        "backend": backend,
-        "variant": variant,
-        "first_build_s": first,
-        "warm_rebuild_s": warm,
-        "distortion": quantizers.distortion(idx.quantizer, cand, quantizers.TwoLevelCodes(idx.codebooks, idx.codes)),
-    }
+    distortion = quantizers.distortion(idx.quantizer, cand, quantizers.TwoLevelCodes(idx.codebooks, idx.codes))
+    rec = {"backend": backend, "variant": variant, "first_build_s": first, "warm_rebuild_s": warm, "distortion": distortion}
     for scale in SCALES:
         d = proposal_diagnostics(head.sampler, queries * scale, head.weight.detach(), num_samples=config.num_samples)
         rec[f"kl_pq@{scale}"] = float(d["kl_pq"])
@@ -89,9 +84,7 @@ def main(argv=None) -> dict:
     device = common.resolve_device(args.device)
     v = args.vocab or (2048 if args.smoke else 65536 if args.quick else 262144)
     d = 16 if args.smoke else args.dim
-    env = common.environment(device)
-    settings = common.run_settings(args, V=v, D=d, config="MidxConfig() defaults", scales=SCALES)
-    common.print_header(NAME, env, settings)
+    env, settings = common.start(NAME, args, device, V=v, D=d, config="MidxConfig() defaults", scales=SCALES)
     w, moved, counts, queries = problem(v, d, args.seed)
     results = []
     for backend in args.backends:
@@ -104,27 +97,15 @@ def main(argv=None) -> dict:
         for variant in args.variants:
             rec = run_variant(w, moved, counts, queries, backend, variant, args.seed)
             results.append(rec)
-            print(
-                f"{backend:6s} {variant:10s} first build {rec['first_build_s']:6.2f} s  warm rebuild "
-                f"{rec['warm_rebuild_s']:6.2f} s  distortion {rec['distortion']:.4f}  "
-                + "  ".join(f"KL(P||Q)@{s} {rec[f'kl_pq@{s}']:.3f}" for s in SCALES)
-            )
-    columns = [
-        ("k-means", "backend"),
-        ("rows in Lloyd's iterations", "variant"),
-        ("first build (s)", "first_build_s"),
-        ("warm rebuild (s)", "warm_rebuild_s"),
-        ("distortion", "distortion"),
-    ]
-    columns += [(f"KL(P‖Q), scale {s}", f"kl_pq@{s}") for s in SCALES]
-    columns += [(f"ESS/M, scale {s}", f"ess_sampled@{s}") for s in SCALES]
+            print(f"{backend:6s} {variant:10s} first build {rec['first_build_s']:6.2f} s  warm rebuild "
+                  f"{rec['warm_rebuild_s']:6.2f} s  distortion {rec['distortion']:.4f}  "
+                  + "  ".join(f"KL(P||Q)@{s} {rec[f'kl_pq@{s}']:.3f}" for s in SCALES))  # fmt: skip
+    columns = [("k-means", "backend"), ("rows in Lloyd's iterations", "variant"), ("first build (s)", "first_build_s"),
+               ("warm rebuild (s)", "warm_rebuild_s"), ("distortion", "distortion")]  # fmt: skip
+    columns += [(f"KL(P‖Q), scale {s}", f"kl_pq@{s}") for s in SCALES] + [(f"ESS/M, scale {s}", f"ess_sampled@{s}") for s in SCALES]
     table = [{k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()} for r in results]
-    md = common.header_markdown(NAME, env, settings) + "\n" + common.markdown_table(table, columns) + "\n"
-    payload = {"benchmark": NAME, "settings": settings, "environment": env, "results": results}
-    common.write_outputs(args.out, NAME, payload, md)
-    print(md)
-    return payload
-
+    return common.finish(args, NAME, env, settings, common.report(NAME, env, settings, common.markdown_table(table, columns)),
+                         results=results)  # fmt: skip
 
 if __name__ == "__main__":
     main()

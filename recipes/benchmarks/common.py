@@ -44,19 +44,34 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------- command line
-def base_parser(description: str, *, timed: bool = True, seed: bool = True, plots: bool = True) -> argparse.ArgumentParser:
-    """The flags every benchmark takes; scripts add their own. ``timed=False``: a script that reads runs
-    instead of timing (no --quick, --smoke, --device, --warmup, --repeats)."""
+#: Flags that several benchmarks take: name -> (type, nargs, help). A script asks for them by name in
+#: base_parser with its own default, and, where the default depends on --quick, the help says which.
+SHARED_FLAGS = {
+    "samplers": (str, "+", "proposals to run: names of hf_midx.SAMPLERS or of common.VARIANTS"),
+    "vocab": (int, "+", "V values (classes)"),
+    "queries": (int, "+", "T values (queries per call)"),
+    "dim": (int, None, "D (hidden size)"),
+    "num_samples": (int, None, "M negatives per token"),
+    "pool_size": (int, None, "P negatives in a shared pool"),
+    "codebook_size": (int, None, "K codewords per codebook"),
+    "kmeans_iters": (int, None, "Lloyd iterations per codebook"),
+    "budget_s": (float, None, "stop repeating a case after this many seconds"),
+}
+
+
+def base_parser(description: str, *, timed: bool = True, seed: bool = True, plots: bool = True, **shared) -> argparse.ArgumentParser:
+    """The flags every benchmark takes, then the ``SHARED_FLAGS`` named in ``shared``; scripts add their own.
+
+    ``shared`` maps a flag to its default, or to ``(default, note)`` where the note (e.g. "default 60;
+    quick 5") says what None picks. ``timed=False``: a script that reads runs instead of timing (no
+    --quick, --smoke, --device, --warmup, --repeats); ``seed`` / ``plots`` False: no --seed / --no_plots.
+    """
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="bench-out", help="output folder for <name>.json, <name>.md and the PNG plots")
     if timed:
         p.add_argument("--quick", action="store_true", help="small sizes and few repeats (about a minute on 2 CPU cores)")
-        p.add_argument(
-            "--smoke",
-            action="store_true",
-            help="tiny sizes for the test suite: checks that everything runs and writes its files; implies "
-            "--quick; the numbers mean nothing",
-        )
+        p.add_argument("--smoke", action="store_true", help="tiny sizes for the test suite: checks that everything "
+                       "runs and writes its files; implies --quick; the numbers mean nothing")  # fmt: skip
         p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
         p.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default: 1, quick: 1)")
         p.add_argument("--repeats", type=int, default=None, help="timed calls per case (default: 5, quick: 2)")
@@ -64,7 +79,16 @@ def base_parser(description: str, *, timed: bool = True, seed: bool = True, plot
         p.add_argument("--seed", type=int, default=0)
     if plots:
         p.add_argument("--no_plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    for name, default in shared.items():
+        kind, nargs, help_ = SHARED_FLAGS[name]
+        default, note = default if isinstance(default, tuple) else (default, None)
+        p.add_argument(f"--{name}", type=kind, nargs=nargs, default=default, help=f"{help_} ({note})" if note else help_)
     return p
+
+
+def by_size(args: argparse.Namespace, smoke, quick, full):
+    """The value of a size for this run: ``smoke``, ``quick`` or ``full``."""
+    return smoke if args.smoke else quick if args.quick else full
 
 
 def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
@@ -98,23 +122,13 @@ def repeats_of(args, full: int = 5, quick: int = 2) -> tuple[int, int]:
 # ---------------------------------------------------------------------------- environment
 def git_commit() -> dict[str, Any]:
     """HEAD of the repository the benchmarks live in, and whether the tree had local changes."""
-    info: dict[str, Any] = {"commit": None, "dirty": None}
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True).stdout
+
     try:
-        info["commit"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-        info["dirty"] = bool(status.strip())
+        return {"commit": git("rev-parse", "HEAD").strip(), "dirty": bool(git("status", "--porcelain", "--untracked-files=no").strip())}
     except (OSError, subprocess.SubprocessError):
-        pass
-    return info
+        return {"commit": None, "dirty": None}
 
 
 def _cpu_name() -> str:
@@ -150,22 +164,14 @@ def environment(device: torch.device) -> dict[str, Any]:
 
     versions = hf_midx.versions()
     env = {
-        "device_type": device.type,
-        "device": device_name(device),
-        "python": versions["python"],
-        "platform": platform.platform(),
-        "torch": versions.get("torch", torch.__version__),
-        "transformers": versions.get("transformers"),
-        "hf_midx": versions["hf_midx"],
+        "device_type": device.type, "device": device_name(device), "python": versions["python"],
+        "platform": platform.platform(), "torch": versions.get("torch", torch.__version__),
+        "transformers": versions.get("transformers"), "hf_midx": versions["hf_midx"],
         "faiss": _version("faiss-cpu") or _version("faiss-gpu") or _version("faiss"),
-        "liger_kernel": _version("liger-kernel"),
-        "cuda": torch.version.cuda,
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "mem_total_gb": round(mem_total_bytes() / 2**30, 1) if mem_total_bytes() else None,
-        "git": git_commit(),
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
+        "liger_kernel": _version("liger-kernel"), "cuda": torch.version.cuda, "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(), "mem_total_gb": round(mem_total_bytes() / 2**30, 1) if mem_total_bytes() else None,
+        "git": git_commit(), "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }  # fmt: skip
     if device.type == "cuda":
         env["gpu_memory_gb"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
     return env
@@ -182,6 +188,14 @@ def print_header(name: str, env: dict, settings: dict) -> None:
     print(f"git commit  : {git['commit']}{' (local changes)' if git['dirty'] else ''}")
     print(f"settings    : {json.dumps(settings, default=str)}")
     sys.stdout.flush()
+
+
+def start(name: str, args: argparse.Namespace, device: torch.device, **settings) -> tuple[dict, dict]:
+    """A run's environment and settings (``run_settings``), printed as its header; returns both."""
+    env = environment(device)
+    settings = run_settings(args, **settings)
+    print_header(name, env, settings)
+    return env, settings
 
 
 def _meminfo(key: str) -> int | None:
@@ -228,65 +242,6 @@ def zipf_counts(v: int, tokens: float = 1e6, generator: torch.Generator | None =
 def zipf_labels(counts: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """(n,) int64 labels drawn i.i.d. in proportion to ``counts`` + 1 (every class can occur)."""
     return torch.multinomial(counts.float() + 1, n, replacement=True, generator=generator)
-
-
-# ---------------------------------------------------------------------------- variants
-#: Benchmark-only proposals, one name for one configuration in every script: ``MidxConfig`` overrides,
-#: the fields left out keep ``MidxConfig()``'s values (a 50 % unigram mixture, an exact head of 2,048,
-#: the corrected-positive estimator). A variant that does not want the head says ``exact_head=0``: a name
-#: without "head" in it has none, except ``midx-rq-nomix``, kept as the name earlier results use for
-#: ``midx-rq-head2k-nomix``. (Before this table, compare_samplers gave ``midx-rq-mix-uniform``,
-#: ``midx-rq-frequency`` and ``midx-rq-frequency-mix`` the recipe's exact head; bench_kl gave them none.) compare_samplers passes each override to the recipe as
-#: ``--field value``; bench_kl and bench_sampling build the sampler from them (:func:`build_sampler`).
-VARIANTS: dict[str, dict[str, Any]] = {
-    # midx-rq before issue 9: the positive's logit exact, no defensive mixture, no exact head.
-    "midx-rq-paper": dict(sampler="midx-rq", estimator="exact-positive", mix_weight=0.0, exact_head=0),
-    "midx-rq-learned": dict(sampler="midx-rq", codebooks="learned"),
-    "midx-rq-shared": dict(sampler="midx-rq", negatives="shared"),  # num_samples: the script's --pool_size
-    "midx-rq-nomix": dict(sampler="midx-rq", mix_weight=0.0),
-    "midx-rq-mix": dict(sampler="midx-rq", exact_head=0),
-    "midx-rq-mix-uniform": dict(sampler="midx-rq", mix_static="uniform", exact_head=0),
-    "midx-rq-frequency": dict(sampler="midx-rq", last_stage="frequency", mix_weight=0.0, exact_head=0),
-    "midx-rq-frequency-mix": dict(sampler="midx-rq", last_stage="frequency", exact_head=0),
-    "midx-rq-head2k": dict(sampler="midx-rq", exact_head=2048),
-    "midx-rq-head2k-nomix": dict(sampler="midx-rq", mix_weight=0.0, exact_head=2048),
-    "midx-rq-head2k-frequency-mix": dict(sampler="midx-rq", last_stage="frequency", exact_head=2048),
-    "midx-rq-head512": dict(sampler="midx-rq", exact_head=512),
-    "midx-rq-head1k": dict(sampler="midx-rq", exact_head=1024),
-    "midx-rq-head4k": dict(sampler="midx-rq", exact_head=4096),
-    "unigram-head2k": dict(sampler="unigram", exact_head=2048),
-    "unigram-exact-positive": dict(sampler="unigram", estimator="exact-positive"),
-}
-#: The MidxConfig fields a sampler built on its own takes; the others only matter to a training run.
-_SAMPLER_FIELDS = ("sampler", "exact_head", "mix_weight", "mix_static", "last_stage")
-
-
-def variant_flags(name: str) -> list[str]:
-    """The recipe flags of a variant (``--field value``), without ``--sampler``."""
-    return [a for k, v in VARIANTS[name].items() if k != "sampler" for a in (f"--{k}", str(v))]
-
-
-def build_sampler(name: str, weight: torch.Tensor, counts: torch.Tensor, *, codebook_size: int, seed: int, **options):
-    """``hf_midx.build_sampler`` for a registered name or a :data:`VARIANTS` entry over the (V, D) ``weight``.
-
-    A variant's exact head is its H most frequent classes by ``counts``, at most V/4 (so that a
-    small test vocabulary keeps a tail to sample), excluded from the proposal.
-    """
-    import hf_midx  # noqa: PLC0415
-
-    if name not in VARIANTS:
-        return hf_midx.build_sampler(name, weight, codebook_size=codebook_size, class_counts=counts, seed=seed, **options)
-    training_only = sorted(set(VARIANTS[name]) - set(_SAMPLER_FIELDS))
-    if training_only:
-        raise SystemExit(f"{name} sets {training_only}, which only a training run uses (compare_samplers.py).")
-    config = hf_midx.MidxConfig(**VARIANTS[name])
-    if config.sampler.startswith("midx"):
-        options = {"mix_weight": config.mix_weight, "mix_static": config.mix_static, "last_stage": config.last_stage, **options}
-    head = min(config.exact_head, weight.shape[0] // 4)
-    exclude = torch.sort(torch.argsort(counts.double(), descending=True, stable=True)[:head]).values if head else None
-    return hf_midx.build_sampler(
-        config.sampler, weight, codebook_size=codebook_size, class_counts=counts, seed=seed, exclude=exclude, **options
-    )
 
 
 def sync(device: torch.device) -> None:
@@ -390,18 +345,10 @@ def row(
 ) -> dict[str, Any]:
     """One Liger-style result row: what was measured, on which device and versions, and the numbers."""
     r: dict[str, Any] = {
-        "op": op,
-        "provider": provider,
-        "metric": metric,
-        "unit": unit,
-        "x_name": x_name,
-        "x_value": x_value,
-        "device": env["device"],
-        "hf_midx_version": env["hf_midx"],
-        "torch_version": env["torch"],
-        "git_commit": env["git"]["commit"],
-        "timestamp": env["timestamp"],
-    }
+        "op": op, "provider": provider, "metric": metric, "unit": unit, "x_name": x_name, "x_value": x_value,
+        "device": env["device"], "hf_midx_version": env["hf_midx"], "torch_version": env["torch"],
+        "git_commit": env["git"]["commit"], "timestamp": env["timestamp"],
+    }  # fmt: skip
     if stats is not None:
         r.update({"y_p20": stats["p20"], "y_p50": stats["p50"], "y_p80": stats["p80"], "repeats": stats["n"]})
     elif value is not None:
@@ -439,26 +386,19 @@ def fmt_ratio(x: float | None, digits: int = 1) -> str:
     return f"{x:.{digits}f}x"
 
 
-def markdown_table(rows: Iterable[dict], columns: Sequence[tuple]) -> str:
-    """A GitHub table; ``columns`` are (header, key) or (header, key, format) triples, ``format`` applied
-    to the value (a callable, or a format spec such as ``".2f"``); missing values print as '-'."""
-    lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
+def markdown_table(rows: Iterable[dict], columns: Sequence[tuple[str, Any]]) -> str:
+    """A GitHub table; ``columns`` are (header, key) pairs, a key being a row's key or a function of the
+    row; None (or a missing key) prints as '-'."""
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
     for r in rows:
-        lines.append("| " + " | ".join(_cell(r.get(c[1]), *c[2:]) for c in columns) + " |")
+        cells = (key(r) if callable(key) else r.get(key) for _, key in columns)
+        lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
-def _cell(value: Any, fmt: Any = None) -> str:
-    if value is None:
-        return "-"
-    if fmt is None:
-        return str(value)
-    return fmt(value) if callable(fmt) else format(value, fmt)
-
-
-def report(title: str, env: dict, settings: dict, *sections: str) -> str:
-    """A benchmark's Markdown: the header, then its sections (headings, tables, notes) a blank line apart."""
-    return "\n\n".join([header_markdown(title, env, settings), *(s.strip("\n") for s in sections if s)]) + "\n"
+def report(title: str, env: dict, settings: dict, *parts: str) -> str:
+    """A benchmark's Markdown: the header (device, versions, commit, settings), then ``parts``, one a line."""
+    return "\n".join([header_markdown(title, env, settings), "", *parts])
 
 
 def header_markdown(name: str, env: dict, settings: dict) -> str:
@@ -488,6 +428,17 @@ def write_outputs(out_dir: str | Path, name: str, payload: dict, markdown: str) 
     return js, md
 
 
+def finish(args: argparse.Namespace, name: str, env: dict, settings: dict, markdown: str, plot=None, **fields) -> dict:
+    """Write ``<out>/<name>.json`` (the benchmark's name, settings, environment, then ``fields``) and
+    ``<out>/<name>.md``, call ``plot()`` unless --no_plots, print the Markdown; returns the JSON payload."""
+    payload = {"benchmark": name, "settings": settings, "environment": env, **fields}
+    write_outputs(args.out, name, payload, markdown)
+    if plot is not None and not args.no_plots:
+        plot()
+    print(markdown)
+    return payload
+
+
 def _json_default(obj):
     if isinstance(obj, (torch.device, Path)):
         return str(obj)
@@ -510,40 +461,6 @@ def pyplot():
     return plt
 
 
-def subplots(panels: int = 1, width: float = 6, height: float = 4.5):
-    """A figure of ``panels`` side by side, each ``width`` x ``height`` inches; returns (fig, list of axes)."""
-    fig, axes = pyplot().subplots(1, panels, figsize=(width * panels, height), squeeze=False)
-    return fig, list(axes[0])
-
-
-def style(ax, title: str, xlabel: str, ylabel: str, *, log: str = "", legend: float | None = 7, grid: str = "both"):
-    """The one look of every benchmark plot: labels, log axes (``log`` in "x", "y", "xy"), grid, legend."""
-    if "x" in log:
-        ax.set_xscale("log")
-    if "y" in log:
-        ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, which="both", axis=grid if grid in ("x", "y") else "both", alpha=0.3)
-    if legend:
-        ax.legend(fontsize=legend)
-
-
-def line_plot(out_dir: str | Path, filename: str, panels: Sequence[dict], *, width: float = 6, height: float = 4.5) -> Path:
-    """One PNG of line-plot panels: each panel a dict of ``series`` ({label: [(x, y), ...]}, drawn
-    with markers; a label in ``dashed`` is drawn dashed), ``title``, ``xlabel``, ``ylabel`` and
-    optionally ``log`` and ``legend`` (see :func:`style`)."""
-    fig, axes = subplots(len(panels), width, height)
-    for ax, panel in zip(axes, panels):
-        for label, points in panel["series"].items():
-            if points:
-                xs, ys = zip(*sorted(points))
-                ax.plot(xs, ys, "--" if label in panel.get("dashed", ()) else "-", marker="o", label=label)
-        style(ax, panel["title"], panel["xlabel"], panel["ylabel"], log=panel.get("log", "xy"), legend=panel.get("legend", 7))
-    return save_figure(fig, out_dir, filename)
-
-
 def save_figure(fig, out_dir: str | Path, filename: str) -> Path:
     path = Path(out_dir) / filename
     fig.tight_layout()
@@ -553,12 +470,142 @@ def save_figure(fig, out_dir: str | Path, filename: str) -> Path:
     return path
 
 
+def lines(rows: Iterable[dict], x: str, y: str, by: str, **where) -> dict[str, tuple[list, list]]:
+    """{row[by]: (xs, ys)}, sorted by x, over the rows that have ``y`` and whose fields equal ``where``."""
+    out: dict[str, list] = {}
+    for r in rows:
+        if r.get(y) is not None and all(r.get(k) == v for k, v in where.items()):
+            out.setdefault(r[by], []).append((r[x], r[y]))
+    return {k: tuple(map(list, zip(*sorted(pts, key=lambda p: p[0])))) for k, pts in out.items()}
+
+
+def plot_panels(out_dir: str | Path, filename: str, panels: Sequence[dict], *, size=(6.0, 4.5)) -> Path:
+    """One PNG of side-by-side line panels, one line per provider (Liger-Kernel's visualizer).
+
+    A panel is a dict: ``lines`` ({label: (xs, ys)}), and optionally ``title``, ``xlabel``, ``ylabel``,
+    ``xscale`` / ``yscale`` (a name, or (name, options) such as ("log", {"base": 2})), ``style`` (label
+    -> plot options; default a marker per point), ``legend`` (font size, 0: none) and ``extra`` (a
+    function of the axes, for what one panel adds: a reference line, single points).
+    """
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(size[0] * len(panels), size[1]), squeeze=False)
+    for ax, p in zip(axes[0], panels):
+        for label, (xs, ys) in p["lines"].items():
+            ax.plot(xs, ys, label=label, **(p["style"](label) if "style" in p else {"marker": "o"}))
+        for axis in ("x", "y"):
+            scale = p.get(axis + "scale")
+            if scale:
+                name, options = (scale, {}) if isinstance(scale, str) else scale
+                getattr(ax, f"set_{axis}scale")(name, **options)
+        ax.set_xlabel(p.get("xlabel", ""))
+        ax.set_ylabel(p.get("ylabel", ""))
+        ax.set_title(p.get("title", ""))
+        ax.grid(True, which="both", alpha=0.3)
+        if "extra" in p:
+            p["extra"](ax)
+        if p.get("legend", 7):
+            ax.legend(fontsize=p.get("legend", 7))
+    return save_figure(fig, out_dir, filename)
+
+
 def free_memory(device: torch.device) -> None:
     import gc  # noqa: PLC0415
 
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------- shapes
+#: (V, D) of the output layers of real models (their configs' vocab_size and hidden_size).
+MODEL_SHAPES = {
+    "llama3-8b": (128256, 4096),
+    "gemma2-2b": (256000, 2304),
+    "qwen2.5-0.5b": (151936, 896),
+    "gemma3-270m": (262144, 640),
+}
+
+
+# ---------------------------------------------------------------------------- variants
+_NO_HEAD, _NO_MIX, _MIX = {"exact_head": 0}, {"mix_weight": 0.0}, {"mix_weight": 0.5, "mix_static": "unigram"}
+#: Issue 9's proposals, one name each for every benchmark: name -> (sampler, MidxConfig fields set on top
+#: of MidxConfig()'s defaults). A name says its whole recipe: without "head" it has no exact head, without
+#: "mix" no defensive mixture, except "learned" and "shared" (the default plus that one change) and
+#: "midx-rq-nomix", kept as the name earlier results use for "midx-rq-head2k-nomix". The head and the
+#: mixture are written out, so that a later change of a MidxConfig default does not change what a name
+#: measures. (Before this table, compare_samplers gave "midx-rq-mix-uniform", "-frequency" and
+#: "-frequency-mix" the recipe's exact head; bench_kl gave them none.) compare_samplers passes the fields
+#: to the recipe as its flags (variant_flags); bench_kl and bench_sampling build the proposal from them
+#: (build_variant), as the head would.
+VARIANTS = {
+    "midx-rq-paper": ("midx-rq", {"estimator": "exact-positive", **_NO_MIX, **_NO_HEAD}),  # midx-rq before issue 9
+    "midx-rq-nomix": ("midx-rq", {**_NO_MIX, "exact_head": 2048}),  # earlier results' name for head2k-nomix
+    "midx-rq-mix": ("midx-rq", {**_MIX, **_NO_HEAD}),
+    "midx-rq-mix-uniform": ("midx-rq", {**_MIX, "mix_static": "uniform", **_NO_HEAD}),
+    "midx-rq-frequency": ("midx-rq", {"last_stage": "frequency", **_NO_MIX, **_NO_HEAD}),
+    "midx-rq-frequency-mix": ("midx-rq", {"last_stage": "frequency", **_MIX, **_NO_HEAD}),
+    "midx-rq-head2k": ("midx-rq", {"exact_head": 2048, **_MIX}),
+    "midx-rq-head2k-nomix": ("midx-rq", {"exact_head": 2048, **_NO_MIX}),
+    "midx-rq-head2k-frequency-mix": ("midx-rq", {"exact_head": 2048, "last_stage": "frequency", **_MIX}),
+    "midx-rq-head512": ("midx-rq", {"exact_head": 512, **_MIX}),
+    "midx-rq-head1k": ("midx-rq", {"exact_head": 1024, **_MIX}),
+    "midx-rq-head4k": ("midx-rq", {"exact_head": 4096, **_MIX}),
+    "unigram-head2k": ("unigram", {"exact_head": 2048}),
+    "unigram-exact-positive": ("unigram", {"estimator": "exact-positive"}),
+    "midx-rq-learned": ("midx-rq", {"codebooks": "learned"}),
+    "midx-rq-shared": ("midx-rq", {"negatives": "shared"}),  # the pool size is the benchmark's --pool_size
+}
+#: Fields that only a training run has: a variant that sets one is not a proposal of its own.
+TRAINING_FIELDS = ("estimator", "codebooks", "negatives")
+
+
+def proposal_variants() -> list[str]:
+    """The variants that are a proposal alone (no training-only field): what bench_kl and bench_sampling build."""
+    return [name for name, (_, fields) in VARIANTS.items() if not set(fields) & set(TRAINING_FIELDS)]
+
+
+def variant_flags(name: str, pool_size: int) -> list[str]:
+    """The recipe's flags for a variant: ``--<field> <value>`` for each of its MidxConfig fields."""
+    fields = VARIANTS[name][1]
+    flags = [arg for key, value in fields.items() for arg in (f"--{key}", str(value))]
+    return flags + (["--num_samples", str(pool_size)] if fields.get("negatives") == "shared" else [])
+
+
+def build_variant(name: str, weight: torch.Tensor, counts: torch.Tensor, **changes):
+    """The proposal of ``VARIANTS[name]`` over (V, D) ``weight``, as the head builds it from its MidxConfig.
+
+    ``changes`` are more MidxConfig fields (codebook_size, seed, kmeans_iters); the exact head is the
+    ``exact_head`` most frequent classes by ``counts``, at most V/4 of them (so that a small test
+    vocabulary keeps a tail to sample).
+    """
+    import hf_midx  # noqa: PLC0415
+
+    sampler, fields = VARIANTS[name]
+    config = hf_midx.MidxConfig(sampler=sampler, **fields, **changes)
+    head = min(config.exact_head, weight.shape[0] // 4)
+    exclude = torch.sort(torch.argsort(counts.double(), descending=True, stable=True)[:head]).values if head else None
+    return hf_midx.build_sampler(sampler, weight, class_counts=counts, exclude=exclude, **config.sampler_kwargs())
+
+
+def exact_kernels(device: torch.device) -> dict[str, Any]:
+    """``cce`` / ``liger`` -> Cut Cross-Entropy's ``linear_cross_entropy`` / Liger's fused linear CE class, or
+    None where the package is missing or there is no GPU (their kernels are Triton's)."""
+    kernels: dict[str, Any] = {"cce": None, "liger": None}
+    if device.type != "cuda":
+        return kernels
+    try:
+        from cut_cross_entropy import linear_cross_entropy  # noqa: PLC0415
+
+        kernels["cce"] = linear_cross_entropy
+    except ImportError:
+        print("cut_cross_entropy not installed: the cce case is left out (pip install cut-cross-entropy).")
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # noqa: PLC0415
+
+        kernels["liger"] = LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        print("liger_kernel not installed: the liger case is left out (pip install liger-kernel).")
+    return kernels
 
 
 # ---------------------------------------------------------------------------- the recipes
@@ -570,10 +617,10 @@ SAMPLE_DATA_DIR = RECIPES_DIR / "data" / "wikitext2_sample"
 def import_recipe(name: str):
     """Import ``recipes/<name>.py`` as ``recipes.<name>``.
 
-    The one ``sys.path`` edit of the benchmarks: a script run as a file (``python
-    recipes/benchmarks/bench_kl.py``) has only its own folder on the path, and a relative import cannot
-    climb above the top-level package it was not imported from, so the repository root, which holds
-    the ``recipes`` package, goes on the path here (once) when it is not there already.
+    The one ``sys.path`` edit of the benchmarks: a benchmark run as a file (``python
+    recipes/benchmarks/x.py``) has only its own folder on ``sys.path``, and the recipes import their
+    siblings as the package ``recipes`` (see recipes/__init__.py), so the repository root must be there
+    too; run as ``python -m recipes.benchmarks.x`` (or under pytest) it already is.
     """
     import importlib  # noqa: PLC0415
 

@@ -28,7 +28,7 @@ runs and the plotted curves use the first seed).
 Profiles (``--profile``) fix the settings of issue 9's quality benchmark: ``cpu-quick`` (400 steps of
 the paper's model, the issue's acceptance run, at equal steps; equal wall-clock off) and ``gpu-3epochs``
 (3 epochs, 3 seeds, equal wall-clock on). Both compare the full softmax, the static unigram proposal,
-midx-rq as it was before issue 9 (``midx-rq-paper``: exact positive, no mixture, no exact head), the current default
+midx-rq as it was before issue 9 (``midx-rq-paper``: exact positive, no mixture), the current default
 ``midx-rq``, each new variant, and the non-sampling ``adaptive-softmax`` (torch's
 ``nn.AdaptiveLogSoftmaxWithLoss`` on the same model, trained by ``adaptive_softmax.py``).
 
@@ -47,6 +47,7 @@ import math
 import os
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -55,49 +56,22 @@ from pathlib import Path
 
 if __package__:
     from . import common
-else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+else:  # run as a file: this folder is first on sys.path
     import common
 
-
 NAME = "compare_samplers"
-DEFAULT_SAMPLERS = (
-    "full",
-    "uniform",
-    "unigram",
-    "log-uniform",
-    "lsh",
-    "sphere",
-    "rff",
-    "midx-pq",
-    "midx-rq",
-    "midx-rq-learned",
-)
+DEFAULT_SAMPLERS = ("full", "uniform", "unigram", "log-uniform", "lsh", "sphere", "rff", "midx-pq", "midx-rq", "midx-rq-learned")
 #: Test perplexity of the paper's Transformer on WikiText-2 (its LM table).
 PAPER_PPL = {
-    "full": 180.8331,
-    "uniform": 259.4951,
-    "unigram": 218.4348,
-    "lsh": 221.4062,
-    "sphere": 273.8121,
-    "rff": 278.9223,
-    "midx-pq": 199.7429,
-    "midx-rq": 180.9055,
+    "full": 180.8331, "uniform": 259.4951, "unigram": 218.4348, "lsh": 221.4062, "sphere": 273.8121, "rff": 278.9223,
+    "midx-pq": 199.7429, "midx-rq": 180.9055,
     "midx-rq-paper": 180.9055,  # the paper's midx-rq itself: exact positive, no mixture
-}
+}  # fmt: skip
 #: The non-sampling baseline, trained by adaptive_softmax.py instead of the recipe.
 ADAPTIVE = "adaptive-softmax"
 #: --profile presets (issue 9): the rows and the settings of the quality benchmark.
-PROFILE_SAMPLERS = (
-    "full",
-    "unigram",
-    "midx-rq-paper",
-    "midx-rq",
-    "midx-rq-nomix",
-    "midx-rq-frequency",
-    "midx-rq-frequency-mix",
-    "midx-rq-head2k",
-    ADAPTIVE,
-)
+PROFILE_SAMPLERS = ("full", "unigram", "midx-rq-paper", "midx-rq", "midx-rq-nomix", "midx-rq-frequency",
+                    "midx-rq-frequency-mix", "midx-rq-head2k", ADAPTIVE)  # fmt: skip
 PROFILES = {
     "cpu-quick": dict(max_steps=400, seeds=1, wall_clock="off"),
     "gpu-3epochs": dict(epochs=3.0, seeds=3, wall_clock="on"),
@@ -109,83 +83,37 @@ SMOKE_SAMPLERS = ("full", "uniform", "midx-rq", "midx-rq-learned")
 
 
 def parse_args(argv=None):
-    p = common.base_parser(__doc__.splitlines()[0])
-    p.add_argument(
-        "--data_dir",
-        default=None,
-        help="folder with train.txt, valid.txt, test.txt (default ../shared/data/wikitext-2 beside the repository)",
-    )
-    p.add_argument(
-        "--samplers",
-        nargs="+",
-        default=list(DEFAULT_SAMPLERS),
-        help="'full', any hf_midx sampler, a variant (sampler + flags: "
-        + ", ".join(common.VARIANTS)
-        + f") or '{ADAPTIVE}' (torch's AdaptiveLogSoftmaxWithLoss, no sampling)",
-    )
+    p = common.base_parser(__doc__.splitlines()[0], num_samples=20, codebook_size=32,
+                           pool_size=(1024, "of midx-rq-shared"))  # fmt: skip
+    p.add_argument("--data_dir", default=None,
+                   help="folder with train.txt, valid.txt, test.txt (default ../shared/data/wikitext-2 beside the repository)")  # fmt: skip
+    p.add_argument("--samplers", nargs="+", default=list(DEFAULT_SAMPLERS),
+                   help=f"'full', any hf_midx sampler, a variant (sampler + flags: {', '.join(common.VARIANTS)}) "
+                   f"or '{ADAPTIVE}' (torch's AdaptiveLogSoftmaxWithLoss, no sampling)")  # fmt: skip
     p.add_argument("--epochs", type=float, default=1.0, help="epochs of the equal-epochs comparison")
-    p.add_argument(
-        "--max_steps",
-        type=int,
-        default=None,
-        help="train every sampler for this many steps instead of --epochs (equal steps)",
-    )
-    p.add_argument(
-        "--seeds",
-        type=int,
-        default=1,
-        help="seeds per equal-epochs run (--seed, --seed + 1, ...): mean and sd of the test perplexity",
-    )
-    p.add_argument(
-        "--profile",
-        default=None,
-        choices=sorted(PROFILES),
-        help="issue 9's presets: 'cpu-quick' (400 steps, the acceptance run) or 'gpu-3epochs' (3 epochs, 3 seeds); "
-        "they set --samplers (unless given), --max_steps/--epochs, --seeds and --wall_clock",
-    )
-    p.add_argument("--num_samples", type=int, default=20)
-    p.add_argument("--codebook_size", type=int, default=32)
-    p.add_argument("--pool_size", type=int, default=1024, help="shared pool size P of 'midx-rq-shared'")
+    p.add_argument("--max_steps", type=int, default=None, help="train every sampler for this many steps instead of --epochs (equal steps)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="seeds per equal-epochs run (--seed, --seed + 1, ...): mean and sd of the test perplexity")  # fmt: skip
+    p.add_argument("--profile", default=None, choices=sorted(PROFILES),
+                   help="issue 9's presets: 'cpu-quick' (400 steps, the acceptance run) or 'gpu-3epochs' (3 epochs, 3 seeds); "
+                   "they set --samplers (unless given), --max_steps/--epochs, --seeds and --wall_clock")  # fmt: skip
     p.add_argument("--batch_size", type=int, default=None, help="per-device train batch (default 32; quick 8)")
     p.add_argument("--evals_per_run", type=int, default=None, help="validation points per run (default 4; quick 2)")
-    p.add_argument(
-        "--refreshes_per_epoch",
-        type=int,
-        default=None,
-        help="rebuild adaptive samplers this many times per epoch (--refresh_every_steps; default 10, "
-        "quick 2; 0: only the recipe's per-epoch refresh, which never happens in a 1-epoch run)",
-    )
+    p.add_argument("--refreshes_per_epoch", type=int, default=None,
+                   help="rebuild adaptive samplers this many times per epoch (--refresh_every_steps; default 10, "
+                   "quick 2; 0: only the recipe's per-epoch refresh, which never happens in a 1-epoch run)")  # fmt: skip
     p.add_argument("--wall_clock", default="on", choices=["on", "off"], help="also run the equal-wall-clock comparison")
-    p.add_argument(
-        "--wall_clock_samplers",
-        nargs="+",
-        default=None,
-        help="samplers of the equal-wall-clock comparison (default: all of --samplers)",
-    )
-    p.add_argument(
-        "--wall_clock_budget_s",
-        type=float,
-        default=None,
-        help="training-time budget of the equal-wall-clock runs (default: what full needed)",
-    )
-    p.add_argument(
-        "--launcher",
-        default=None,
-        choices=["subprocess", "inprocess"],
-        help="run the recipe in a fresh process per run (default) or import it (default with --quick)",
-    )
-    p.add_argument(
-        "--recipe_args",
-        default="",
-        help='extra flags for recipes/wikitext2.py, e.g. "--config_overrides n_layer=4 --learning_rate 5e-4"',
-    )
-    p.add_argument(
-        "--parallel",
-        type=int,
-        default=1,
-        help="equal-epochs runs at a time (subprocesses sharing the machine, e.g. a GPU that one small run leaves "
-        "idle); their perplexities are unaffected but their timings are not comparable, so it needs --wall_clock off",
-    )
+    p.add_argument("--wall_clock_samplers", nargs="+", default=None,
+                   help="samplers of the equal-wall-clock comparison (default: all of --samplers)")  # fmt: skip
+    p.add_argument("--wall_clock_budget_s", type=float, default=None,
+                   help="training-time budget of the equal-wall-clock runs (default: what full needed)")  # fmt: skip
+    p.add_argument("--launcher", default=None, choices=["subprocess", "inprocess"],
+                   help="run the recipe in a fresh process per run (default) or import it (default with --quick)")  # fmt: skip
+    p.add_argument("--recipe_args", default="",
+                   help='extra flags for recipes/wikitext2.py, e.g. "--config_overrides n_layer=4 --learning_rate 5e-4"')  # fmt: skip
+    p.add_argument("--parallel", type=int, default=1,
+                   help="equal-epochs runs at a time (subprocesses sharing the machine, e.g. a GPU that one small run leaves "
+                   "idle); their perplexities are unaffected but their timings are not comparable, so it needs --wall_clock off")  # fmt: skip
     p.add_argument("--keep_models", action="store_true", help=f"keep every run's weights (default: only {KEEP_MODELS})")
     args = common.parse(p, argv)
     if args.profile:
@@ -203,59 +131,28 @@ def parse_args(argv=None):
 def recipe_argv(
     args, files, out_dir: Path, sampler: str, *, epochs=None, max_steps=None, every=1, refresh_every=0
 ) -> list[str]:
-    variant = common.VARIANTS.get(sampler, {"sampler": sampler})
-    name, extra = variant["sampler"], common.variant_flags(sampler) if sampler in common.VARIANTS else []
-    if variant.get("negatives") == "shared":
-        extra += ["--num_samples", str(args.pool_size)]
+    name = common.VARIANTS[sampler][0] if sampler in common.VARIANTS else sampler
     argv = ["--train_file", str(files["train"]), "--validation_file", str(files["validation"])]
-    if "test" in files:
-        argv += ["--test_file", str(files["test"])]
-    argv += [
-        "--output_dir",
-        str(out_dir),
-        "--sampler",
-        name,
-        "--num_samples",
-        str(args.num_samples),
-        "--codebook_size",
-        str(args.codebook_size),
-        "--per_device_train_batch_size",
-        str(args.batch_size),
-        "--seed",
-        str(args.seed),
-        "--disable_tqdm",
-        "true",
-        "--save_strategy",
-        "no",
-        "--eval_strategy",
-        "steps",
-        "--eval_steps",
-        str(every),
-        "--logging_steps",
-        str(every),
-        "--refresh_every_steps",
-        str(refresh_every),
-    ]
+    argv += ["--test_file", str(files["test"])] if "test" in files else []
+    argv += ["--output_dir", str(out_dir), "--sampler", name, "--num_samples", str(args.num_samples),
+             "--codebook_size", str(args.codebook_size), "--per_device_train_batch_size", str(args.batch_size),
+             "--seed", str(args.seed), "--disable_tqdm", "true", "--save_strategy", "no", "--eval_strategy", "steps",
+             "--eval_steps", str(every), "--logging_steps", str(every), "--refresh_every_steps", str(refresh_every)]  # fmt: skip
     argv += ["--num_train_epochs", str(epochs)] if epochs is not None else ["--max_steps", str(max_steps)]
     if sampler == ADAPTIVE:
         return _adaptive_argv(args, argv, every)
     if args.quick:
-        train, evals = (16, 4) if args.smoke else (64, 16)
-        argv += [
-            "--config_overrides",
-            SMOKE_OVERRIDES if args.smoke else QUICK_OVERRIDES,
-            "--seq_len",
-            "20",
-            "--max_train_samples",
-            str(train),
-            "--max_eval_samples",
-            str(evals),
-            "--per_device_eval_batch_size",
-            "16",
-            "--logging_first_step",
-            "false",
-        ]
-    return argv + extra + shlex.split(args.recipe_args)
+        argv += [*_quick_argv(args), "--per_device_eval_batch_size", "16", "--logging_first_step", "false"]
+    # The variant's flags come last, so that they win over the shared ones.
+    variant = common.variant_flags(sampler, args.pool_size) if sampler in common.VARIANTS else []
+    return argv + variant + shlex.split(args.recipe_args)
+
+
+def _quick_argv(args) -> list[str]:
+    """--quick's model, blocks and data, for the recipe and adaptive_softmax.py alike."""
+    train, evals = (16, 4) if args.smoke else (64, 16)
+    return ["--config_overrides", SMOKE_OVERRIDES if args.smoke else QUICK_OVERRIDES, "--seq_len", "20",
+            "--max_train_samples", str(train), "--max_eval_samples", str(evals)]  # fmt: skip
 
 
 def _adaptive_argv(args, recipe: list[str], every: int) -> list[str]:
@@ -270,13 +167,7 @@ def _adaptive_argv(args, recipe: list[str], every: int) -> list[str]:
             argv += [flag, value]
     total = int(dict(zip(recipe[::2], recipe[1::2])).get("--max_steps", 0)) or None
     argv += ["--evals", str(args.evals_per_run if total is None else max(1, total // max(every, 1)))]
-    if args.quick:
-        train, evals = (16, 4) if args.smoke else (64, 16)
-        argv += [
-            "--config_overrides", SMOKE_OVERRIDES if args.smoke else QUICK_OVERRIDES, "--seq_len", "20",
-            "--max_train_samples", str(train), "--max_eval_samples", str(evals),
-        ]  # fmt: skip
-    return argv
+    return argv + (_quick_argv(args) if args.quick else [])
 
 
 def run_recipe(argv: list[str], out_dir: Path, launcher: str, threads: int | None = None, script: str = "wikitext2") -> dict:
@@ -309,7 +200,10 @@ def run_recipe(argv: list[str], out_dir: Path, launcher: str, threads: int | Non
             if script == "wikitext2":
                 common.import_recipe("wikitext2").main(argv)
             else:
-                from recipes.benchmarks import adaptive_softmax  # noqa: PLC0415
+                if __package__:
+                    from . import adaptive_softmax  # noqa: PLC0415
+                else:
+                    import adaptive_softmax  # noqa: PLC0415
 
                 adaptive_softmax.main(argv)
         except SystemExit as err:
@@ -343,28 +237,15 @@ def training_curve(history: list[dict], results: dict | None) -> tuple[list[dict
         if "eval_loss" in e:
             t = runtime_at.get(e.get("step"))
             if train_time is None:
-                points.append(
-                    {
-                        "step": e.get("step"),
-                        "epoch": e.get("epoch"),
-                        "valid_loss": float(e["eval_loss"]),
-                        "valid_perplexity": _ppl(float(e["eval_loss"])),
-                        "train_time_s": None if t is None else t - eval_time,
-                    }
-                )
+                loss = float(e["eval_loss"])
+                points.append({"step": e.get("step"), "epoch": e.get("epoch"), "valid_loss": loss, "valid_perplexity": _ppl(loss),
+                               "train_time_s": None if t is None else t - eval_time})  # fmt: skip
                 eval_time += float(e.get("eval_runtime", 0.0))
     if results is not None:
         step = results.get("global_step")
         if not points or points[-1]["step"] != step:
-            points.append(
-                {
-                    "step": step,
-                    "epoch": results.get("epoch"),
-                    "valid_loss": results["valid_loss"],
-                    "valid_perplexity": results["valid_perplexity"],
-                    "train_time_s": train_time,
-                }
-            )
+            points.append({"step": step, "epoch": results.get("epoch"), "valid_loss": results["valid_loss"],
+                           "valid_perplexity": results["valid_perplexity"], "train_time_s": train_time})  # fmt: skip
         # An evaluation without a training log at its step (e.g. the Trainer's final one): interpolate in steps.
         known = [(0, 0.0)] + [(p["step"], p["train_time_s"]) for p in points if p["train_time_s"] is not None]
         if train_time is not None:
@@ -393,21 +274,9 @@ def summarize(run: dict) -> dict:
         curve, train_time = training_curve(run["history"], res)
     out = {"error": run["error"], "wall_s": run["wall_s"], "curve": curve, "train_time_s": train_time}
     if res:
-        out.update(
-            {
-                k: res.get(k)
-                for k in (
-                    "test_perplexity",
-                    "valid_perplexity",
-                    "test_loss",
-                    "valid_loss",
-                    "global_step",
-                    "epoch",
-                    "tokens_per_second",
-                    "train_runtime_s",
-                )
-            }
-        )
+        keys = ("test_perplexity", "valid_perplexity", "test_loss", "valid_loss", "global_step", "epoch",
+                "tokens_per_second", "train_runtime_s")  # fmt: skip
+        out.update({k: res.get(k) for k in keys})
         out["data"] = res.get("data")
         if train_time and res.get("global_step"):
             out["seconds_per_step"] = train_time / res["global_step"]
@@ -437,24 +306,15 @@ def main(argv=None) -> dict:
     launcher = args.launcher or ("inprocess" if q and args.parallel == 1 else "subprocess")
     files = common.data_files(args.data_dir) if (args.data_dir or not q) else None
     data_note = None
-    if files is None and q:
-        files = {
-            "train": common.SAMPLE_DATA_DIR / "train.txt",
-            "validation": common.SAMPLE_DATA_DIR / "valid.txt",
-            "test": common.SAMPLE_DATA_DIR / "test.txt",
-        }
-        data_note = f"--quick without --data_dir: the small WikiText-2 sample in {common.SAMPLE_DATA_DIR}"
-    elif files is None:
-        files = {
-            "train": common.SAMPLE_DATA_DIR / "train.txt",
-            "validation": common.SAMPLE_DATA_DIR / "valid.txt",
-            "test": common.SAMPLE_DATA_DIR / "test.txt",
-        }
-        data_note = (
-            f"WikiText-2 not found at {common.DEFAULT_DATA_DIR}: the small sample in {common.SAMPLE_DATA_DIR} "
-            "was used (not comparable with the paper)"
-        )
-        print(data_note)
+    if files is None:
+        files = {"train": common.SAMPLE_DATA_DIR / "train.txt", "validation": common.SAMPLE_DATA_DIR / "valid.txt",
+                 "test": common.SAMPLE_DATA_DIR / "test.txt"}  # fmt: skip
+        if q:
+            data_note = f"--quick without --data_dir: the small WikiText-2 sample in {common.SAMPLE_DATA_DIR}"
+        else:
+            data_note = (f"WikiText-2 not found at {common.DEFAULT_DATA_DIR}: the small sample in {common.SAMPLE_DATA_DIR} "
+                         "was used (not comparable with the paper)")  # fmt: skip
+            print(data_note)
     if args.max_steps is not None and args.max_steps < 1:
         raise SystemExit(f"--max_steps must be >= 1, got {args.max_steps}.")
     known = {"full", ADAPTIVE, *common.VARIANTS, *_sampler_names()}
@@ -470,37 +330,8 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     import torch  # noqa: PLC0415
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    env = common.environment(device)
-    train_tokens = sum(
-        len(line.split()) + 1 for line in Path(files["train"]).read_text(encoding="utf-8").split("\n")[:-1]
-    )
-    settings = common.run_settings(
-        args,
-        data={k: str(v) for k, v in files.items()},
-        data_note=data_note,
-        train_tokens=train_tokens,
-        samplers=args.samplers,
-        profile=args.profile,
-        seeds=list(range(args.seed, args.seed + args.seeds)),
-        epochs=None if args.max_steps else args.epochs,
-        max_steps=args.max_steps,
-        num_samples=args.num_samples,
-        codebook_size=args.codebook_size,
-        pool_size=args.pool_size,
-        batch_size=args.batch_size,
-        evals_per_run=args.evals_per_run,
-        wall_clock=args.wall_clock,
-        wall_clock_budget_s=args.wall_clock_budget_s,
-        wall_clock_samplers=args.wall_clock_samplers,
-        launcher=launcher,
-        parallel=args.parallel,
-        refreshes_per_epoch=args.refreshes_per_epoch,
-        recipe_args=args.recipe_args,
-        model=((SMOKE_OVERRIDES if args.smoke else QUICK_OVERRIDES) if q else
-               "the paper's: GPT-2 architecture, 2 layers, 4 heads, d 200, ff 1024"),
-    )  # fmt: skip
-
+    train_text = Path(files["train"]).read_text(encoding="utf-8")
+    train_tokens = sum(len(line.split()) + 1 for line in train_text.split("\n")[:-1])
     # Evaluation frequency from the steps of one epoch (blocks of seq_len + 1 tokens, stride seq_len).
     seq_len = 20 if q else 50
     blocks = max(1, (train_tokens - 1) // seq_len)
@@ -510,8 +341,18 @@ def main(argv=None) -> dict:
     steps_equal_epochs = args.max_steps or max(1, steps_per_epoch * args.epochs)
     every = max(1, int(steps_equal_epochs // args.evals_per_run))
     refresh_every = max(1, steps_per_epoch // args.refreshes_per_epoch) if args.refreshes_per_epoch > 0 else 0
-    settings["refresh_every_steps"] = refresh_every
-    common.print_header(NAME, env, settings)
+    model = (SMOKE_OVERRIDES if args.smoke else QUICK_OVERRIDES) if q else "the paper's: GPT-2 architecture, 2 layers, 4 heads, d 200, ff 1024"
+    env, settings = common.start(
+        NAME, args, torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+        data={k: str(v) for k, v in files.items()}, data_note=data_note, train_tokens=train_tokens, samplers=args.samplers,
+        profile=args.profile, seeds=list(range(args.seed, args.seed + args.seeds)),
+        epochs=None if args.max_steps else args.epochs, max_steps=args.max_steps, num_samples=args.num_samples,
+        codebook_size=args.codebook_size, pool_size=args.pool_size, batch_size=args.batch_size,
+        evals_per_run=args.evals_per_run, wall_clock=args.wall_clock, wall_clock_budget_s=args.wall_clock_budget_s,
+        wall_clock_samplers=args.wall_clock_samplers, launcher=launcher, parallel=args.parallel,
+        refreshes_per_epoch=args.refreshes_per_epoch, recipe_args=args.recipe_args, model=model,
+        refresh_every_steps=refresh_every,
+    )  # fmt: skip
 
     equal_epochs, wall = {}, {}
     order = ["full"] + [s for s in args.samplers if s != "full"] if "full" in args.samplers else list(args.samplers)
@@ -520,16 +361,8 @@ def main(argv=None) -> dict:
         per_seed = []
         for k in range(args.seeds):
             run_dir = out / sampler if args.seeds == 1 else out / sampler / f"seed{args.seed + k}"
-            argv = recipe_argv(
-                args,
-                files,
-                run_dir,
-                sampler,
-                epochs=None if args.max_steps else args.epochs,
-                max_steps=args.max_steps,
-                every=every,
-                refresh_every=refresh_every,
-            )
+            argv = recipe_argv(args, files, run_dir, sampler, epochs=None if args.max_steps else args.epochs,
+                               max_steps=args.max_steps, every=every, refresh_every=refresh_every)  # fmt: skip
             argv[argv.index("--seed") + 1] = str(args.seed + k)
             script = "adaptive_softmax" if sampler == ADAPTIVE else "wikitext2"
             per_seed.append({**summarize(run_recipe(argv, run_dir, launcher, threads, script)), "seed": args.seed + k})
@@ -563,52 +396,28 @@ def main(argv=None) -> dict:
             steps = max(1, round(budget / per_step))
             run_dir = out / f"{sampler}-wallclock"
             script = "adaptive_softmax" if sampler == ADAPTIVE else "wikitext2"
-            argv = recipe_argv(
-                args,
-                files,
-                run_dir,
-                sampler,
-                max_steps=steps,
-                every=max(1, steps // args.evals_per_run),
-                refresh_every=refresh_every,
-            )
+            argv = recipe_argv(args, files, run_dir, sampler, max_steps=steps, every=max(1, steps // args.evals_per_run),
+                               refresh_every=refresh_every)  # fmt: skip
             wall[sampler] = {**summarize(run_recipe(argv, run_dir, launcher, script=script)), "max_steps": steps}
             _prune(run_dir, sampler + "-wallclock", args.keep_models)
             _print_run(sampler + " (wall clock)", wall[sampler])
     elif args.wall_clock == "on":
         print("equal wall-clock skipped: no budget (run 'full' or pass --wall_clock_budget_s).")
 
-    payload = {
-        "benchmark": NAME,
-        "settings": settings,
-        "environment": env,
-        "wall_clock_budget_s": budget,
-        "equal_epochs": equal_epochs,
-        "equal_wall_clock": wall,
-        "paper_test_perplexity": PAPER_PPL,
-        "rows": _rows(env, equal_epochs, wall),
-    }
     md = render_markdown(env, settings, equal_epochs, wall, budget, order)
-    common.write_outputs(out, NAME, payload, md)
-    if not args.no_plots:
-        plot(out, equal_epochs, wall, order, budget)
-    print(md)
-    return payload
-
+    return common.finish(args, NAME, env, settings, md, lambda: plot(out, equal_epochs, wall, order, budget),
+                         wall_clock_budget_s=budget, equal_epochs=equal_epochs, equal_wall_clock=wall,
+                         paper_test_perplexity=PAPER_PPL, rows=_rows(env, equal_epochs, wall))  # fmt: skip
 
 def aggregate_seeds(runs: list[dict]) -> dict:
     """One row from the runs of several seeds: the first seed's fields (curve, timings) plus the mean and
     sample standard deviation of the test perplexity and the mean tokens/s over the seeds that worked."""
-    import statistics  # noqa: PLC0415
-
     first = dict(runs[0])
     ok = [r for r in runs if not r.get("error") and r.get("test_perplexity") is not None]
     ppl = [r["test_perplexity"] for r in ok]
     tps = [r["tokens_per_second"] for r in ok if r.get("tokens_per_second")]
-    first["seeds"] = [
-        {k: r.get(k) for k in ("seed", "test_perplexity", "valid_perplexity", "tokens_per_second", "train_time_s", "error")}
-        for r in runs
-    ]
+    keys = ("seed", "test_perplexity", "valid_perplexity", "tokens_per_second", "train_time_s", "error")
+    first["seeds"] = [{k: r.get(k) for k in keys} for r in runs]
     first["test_ppl_mean"] = statistics.fmean(ppl) if ppl else None
     first["test_ppl_sd"] = statistics.stdev(ppl) if len(ppl) > 1 else None
     first["tokens_per_second_mean"] = statistics.fmean(tps) if tps else None
@@ -655,83 +464,40 @@ def _f(x, digits: int = 1) -> str:
 
 
 def _rows(env, equal_epochs, wall):
-    rows = []
-    for setting, runs in (("equal_epochs", equal_epochs), ("equal_wall_clock", wall)):
-        for sampler, s in runs.items():
-            if s.get("test_perplexity") is not None:
-                rows.append(
-                    common.row(
-                        env,
-                        op="wikitext2_lm",
-                        provider=sampler,
-                        metric="test_perplexity",
-                        unit="ppl",
-                        x_name="setting",
-                        x_value=setting,
-                        value=s["test_perplexity"],
-                        train_time_s=s.get("train_time_s"),
-                        steps=s.get("global_step"),
-                    )
-                )
-    return rows
+    return [common.row(env, op="wikitext2_lm", provider=sampler, metric="test_perplexity", unit="ppl", x_name="setting",
+                       x_value=setting, value=s["test_perplexity"], train_time_s=s.get("train_time_s"),
+                       steps=s.get("global_step"))
+            for setting, runs in (("equal_epochs", equal_epochs), ("equal_wall_clock", wall))
+            for sampler, s in runs.items() if s.get("test_perplexity") is not None]  # fmt: skip
 
 
 def render_markdown(env, settings, equal_epochs, wall, budget, order):
-    parts = [common.header_markdown("Samplers on WikiText-2 (the paper's LM table)", env, settings), ""]
-    if settings["data_note"]:
-        parts.append(f"**Data:** {settings['data_note']}.\n")
+    parts = [f"**Data:** {settings['data_note']}.\n"] if settings["data_note"] else []
+    equal = f"Equal steps: {settings['max_steps']} each. " if settings.get("max_steps") else f"Equal epochs: {settings['epochs']:g} epoch(s) each. "
     parts.append(
-        "Exact (full-softmax) perplexity (the adaptive softmax's own, which is normalized). "
-        + (
-            f"Equal steps: {settings['max_steps']} each. "
-            if settings.get("max_steps")
-            else f"Equal epochs: {settings['epochs']:g} epoch(s) each. "
-        )
+        "Exact (full-softmax) perplexity (the adaptive softmax's own, which is normalized). " + equal
         + f"Seeds {settings['seeds']}: test perplexity as mean ± sample sd. Equal wall-clock (first seed): "
         f"every sampler trains for {_f(budget, 0)} s, what `full` needed (training time without evaluation). "
         "The paper trained 100 epochs with early stopping: compare the ordering, not the values.\n"
-    )
-    table = []
-    for s in order:
-        e, w = equal_epochs.get(s, {}), wall.get(s, {})
-        table.append(
-            {
-                "sampler": s,
-                "paper": _f(PAPER_PPL.get(s)),
-                "test_e": e.get("error") and "failed" or _mean_sd(e),
-                "vs_full": _vs(e, equal_epochs.get("full", {})),
-                "valid_e": _f(e.get("valid_perplexity")),
-                "time_e": _f(e.get("train_time_s"), 0),
-                "tps": _f(e.get("tokens_per_second_mean") or e.get("tokens_per_second"), 0),
-                "test_w": (w.get("error") and "failed") or _f(w.get("test_perplexity")),
-                "steps_w": "-"
-                if not w or w.get("global_step") is None
-                else f"{w['global_step']} ({_f(w.get('epoch'), 2)} ep)",
-                "time_w": _f(w.get("train_time_s"), 0),
-            }
-        )
-    parts.append(
-        common.markdown_table(
-            table,
-            [
-                ("sampler", "sampler"),
-                ("paper test ppl", "paper"),
-                ("test ppl, equal epochs/steps", "test_e"),
-                ("vs full", "vs_full"),
-                ("valid ppl", "valid_e"),
-                ("training s", "time_e"),
-                ("tokens/s", "tps"),
-                ("test ppl, equal wall-clock", "test_w"),
-                ("steps (epochs)", "steps_w"),
-                ("training s ", "time_w"),
-            ],
-        )
-    )
+    )  # fmt: skip
+    full = equal_epochs.get("full", {})
+    table = [(s, equal_epochs.get(s, {}), wall.get(s, {})) for s in order]
+    parts.append(common.markdown_table(table, [
+        ("sampler", lambda t: t[0]), ("paper test ppl", lambda t: _f(PAPER_PPL.get(t[0]))),
+        ("test ppl, equal epochs/steps", lambda t: t[1].get("error") and "failed" or _mean_sd(t[1])),
+        ("vs full", lambda t: _vs(t[1], full)), ("valid ppl", lambda t: _f(t[1].get("valid_perplexity"))),
+        ("training s", lambda t: _f(t[1].get("train_time_s"), 0)),
+        ("tokens/s", lambda t: _f(t[1].get("tokens_per_second_mean") or t[1].get("tokens_per_second"), 0)),
+        ("test ppl, equal wall-clock", lambda t: (t[2].get("error") and "failed") or _f(t[2].get("test_perplexity"))),
+        ("steps (epochs)", lambda t: "-" if not t[2] or t[2].get("global_step") is None
+         else f"{t[2]['global_step']} ({_f(t[2].get('epoch'), 2)} ep)"),
+        ("training s ", lambda t: _f(t[2].get("train_time_s"), 0)),
+    ]))  # fmt: skip
     errors = [(s, r["error"]) for runs in (equal_epochs, wall) for s, r in runs.items() if r.get("error")]
     if errors:
         parts.append("\nFailed runs:\n")
         parts.extend(f"- {s}: {e}" for s, e in errors)
-    return "\n".join(parts)
+    return common.report("Samplers on WikiText-2 (the paper's LM table)", env, settings, *parts)
 
 
 def _vs(run: dict, full: dict) -> str:
@@ -740,22 +506,20 @@ def _vs(run: dict, full: dict) -> str:
 
 
 def plot(out_dir, equal_epochs, wall, order, budget):
-    panels = [("equal epochs", equal_epochs)] + ([("equal wall-clock", wall)] if wall else [])
-    fig, axes = common.subplots(len(panels), 6.5, 4.8)
-    for ax, (title, runs) in zip(axes, panels):
-        for s in order:
-            curve = runs.get(s, {}).get("curve", [])
-            pts = [(p["train_time_s"], p["valid_perplexity"]) for p in curve
-                   if p["train_time_s"] is not None and math.isfinite(p["valid_perplexity"])]  # fmt: skip
-            if pts:
-                full = s == "full"  # the baseline stands out
-                ax.plot(*zip(*pts), marker="o", linewidth=2.5 if full else 1.3, color="black" if full else None, label=s)
-        if budget and title == "equal wall-clock":
-            ax.axvline(budget, color="grey", linestyle=":", linewidth=1)
-        common.style(ax, f"WikiText-2, {title}", "training time (s, evaluation excluded)",
-                     "validation perplexity (exact)", log="y")  # fmt: skip
-    common.save_figure(fig, out_dir, f"{NAME}_valid_ppl.png")
+    def style(s):
+        return {"marker": "o", "linewidth": 2.5 if s == "full" else 1.3, "color": "black" if s == "full" else None}
 
+    def panel(title, runs):
+        curves = {s: [p for p in runs.get(s, {}).get("curve", []) if p["train_time_s"] is not None
+                      and math.isfinite(p["valid_perplexity"])] for s in order}  # fmt: skip
+        return {"lines": {s: ([p["train_time_s"] for p in c], [p["valid_perplexity"] for p in c]) for s, c in curves.items() if c},
+                "style": style, "yscale": "log", "xlabel": "training time (s, evaluation excluded)",
+                "ylabel": "validation perplexity (exact)", "title": f"WikiText-2, {title}",
+                "extra": (lambda ax: ax.axvline(budget, color="grey", linestyle=":", linewidth=1))
+                if budget and title == "equal wall-clock" else (lambda ax: None)}  # fmt: skip
+
+    panels = [panel("equal epochs", equal_epochs)] + ([panel("equal wall-clock", wall)] if wall else [])
+    common.plot_panels(out_dir, f"{NAME}_valid_ppl.png", panels, size=(6.5, 4.8))
 
 if __name__ == "__main__":
     main()

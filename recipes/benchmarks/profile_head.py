@@ -11,24 +11,21 @@ Run: ``python recipes/benchmarks/profile_head.py --out bench-out [--device cuda]
 
 from __future__ import annotations
 
-
 import torch
 
 import hf_midx
 
 if __package__:
     from . import common
-    from .bench_head import MODEL_SHAPES
-else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+else:  # run as a file: this folder is first on sys.path
     import common
-    from bench_head import MODEL_SHAPES
 
 NAME = "profile_head"
 
 
 def parse_args(argv=None):
     p = common.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--model", default="gemma3-270m", choices=list(MODEL_SHAPES), help="head shape (V, D)")
+    p.add_argument("--model", default="gemma3-270m", choices=list(common.MODEL_SHAPES), help="head shape (V, D)")
     p.add_argument("--tokens", type=int, default=None, help="T (default 8192 on a GPU, 2048 on CPU)")
     p.add_argument("--steps", type=int, default=5, help="profiled steps")
     p.add_argument("--top", type=int, default=20, help="ops listed")
@@ -38,23 +35,21 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device = common.resolve_device(args.device)
-    v, d = MODEL_SHAPES[args.model]
+    v, d = common.MODEL_SHAPES[args.model]
     if args.smoke:
         v, d = max(2048, v // 64), max(32, d // 32)
     t = args.tokens or (256 if args.smoke else 8192 if device.type == "cuda" else 2048)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(args.seed)
     counts = common.zipf_counts(v, generator=gen)
-    labels = torch.multinomial(counts.float() + 1, t, replacement=True, generator=gen).to(device)
+    labels = common.zipf_labels(counts, t, gen).to(device)
     weight = torch.nn.Parameter((torch.randn(v, d, generator=gen) * d**-0.5).to(device=device, dtype=dtype))
     hidden = torch.randn(t, d, generator=gen).to(device=device, dtype=dtype).requires_grad_()
     linear = torch.nn.Linear(d, v, bias=False, device="meta")
     linear.weight = weight
     config = hf_midx.MidxConfig(seed=args.seed)
     head = hf_midx.MidxLMHead(linear, config, class_counts=counts)
-    env = common.environment(device)
-    settings = common.run_settings(args, model=args.model, V=v, D=d, T=t, dtype=str(dtype), config=config.to_dict())
-    common.print_header(NAME, env, settings)
+    env, settings = common.start(NAME, args, device, model=args.model, V=v, D=d, T=t, dtype=str(dtype), config=config.to_dict())
 
     def step():
         hidden.grad = weight.grad = None
@@ -72,49 +67,17 @@ def main(argv=None) -> dict:
         common.sync(device)
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=args.top)
-    events = sorted(
-        prof.key_averages(), key=lambda e: getattr(e, "self_device_time_total", 0) or e.self_cpu_time_total, reverse=True
-    )
-    ops = [
-        {
-            "op": e.key,
-            "calls": e.count // args.steps,
-            "self_cpu_us_per_step": e.self_cpu_time_total / args.steps,
-            "self_device_us_per_step": getattr(e, "self_device_time_total", 0) / args.steps,
-        }
-        for e in events[: args.top]
-    ]
-    md = "\n".join(
-        [
-            common.header_markdown("One sampled-head step (forward + backward), top ops", env, settings),
-            "",
-            f"Per step (mean of {args.steps}), by self time:",
-            "",
-            common.markdown_table(
-                [
-                    {
-                        "op": o["op"],
-                        "calls": o["calls"],
-                        "cpu": f"{o['self_cpu_us_per_step'] / 1e3:.3f} ms",
-                        "dev": f"{o['self_device_us_per_step'] / 1e3:.3f} ms",
-                    }
-                    for o in ops
-                ],
-                [("op", "op"), ("calls per step", "calls"), ("self CPU", "cpu"), ("self device", "dev")],
-            ),
-            "",
-            f"torch.profiler's table ({args.steps} steps, sorted by {sort_by}):",
-            "",
-            "```",
-            table,
-            "```",
-        ]
-    )
-    payload = {"benchmark": NAME, "settings": settings, "environment": env, "ops": ops}
-    common.write_outputs(args.out, NAME, payload, md)
-    print(table)
-    return payload
-
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, "self_device_time_total", 0) or e.self_cpu_time_total,
+                    reverse=True)  # fmt: skip
+    ops = [{"op": e.key, "calls": e.count // args.steps, "self_cpu_us_per_step": e.self_cpu_time_total / args.steps,
+            "self_device_us_per_step": getattr(e, "self_device_time_total", 0) / args.steps} for e in events[: args.top]]  # fmt: skip
+    columns = [("op", "op"), ("calls per step", "calls"),
+               ("self CPU", lambda o: f"{o['self_cpu_us_per_step'] / 1e3:.3f} ms"),
+               ("self device", lambda o: f"{o['self_device_us_per_step'] / 1e3:.3f} ms")]  # fmt: skip
+    md = common.report("One sampled-head step (forward + backward), top ops", env, settings,
+                       f"Per step (mean of {args.steps}), by self time:", "", common.markdown_table(ops, columns), "",
+                       f"torch.profiler's table ({args.steps} steps, sorted by {sort_by}):", "", "```", table, "```")  # fmt: skip
+    return common.finish(args, NAME, env, settings, md, ops=ops)
 
 if __name__ == "__main__":
     main()

@@ -25,6 +25,8 @@ Run: ``python recipes/benchmarks/synthetic_coverage.py RUN_DIR --out results/cpu
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import torch
@@ -34,10 +36,10 @@ from hf_midx.diagnostics import proposal_diagnostics
 
 if __package__:
     from . import common
-else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+else:  # run as a file: this folder is first on sys.path
     import common
 
-ZipfMarkovChain = common.import_recipe("synthetic").ZipfMarkovChain
+synthetic = common.import_recipe("synthetic")
 
 NAME = "synthetic_coverage"
 #: name -> (sampler, options, K); every proposal draws from the tail only (the exact head is excluded).
@@ -54,7 +56,7 @@ PROPOSALS = {
 }
 
 
-def queries_of(run_dir: Path, chain: ZipfMarkovChain, seq_len: int, contexts: int, seed: int):
+def queries_of(run_dir: Path, chain: synthetic.ZipfMarkovChain, seq_len: int, contexts: int, seed: int):
     """(S, D) float32 final hidden states at one random position of each of S fresh blocks, the (V, D) head
     weight, and the (S,) words at and after those positions."""
     from transformers import AutoModelForCausalLM
@@ -99,7 +101,7 @@ def bucket_terms(sampler, log_p: torch.Tensor, log_q: torch.Tensor, log_static: 
     }
 
 
-def purity(sampler, chain: ZipfMarkovChain, tail: torch.Tensor) -> float:
+def purity(sampler, chain: synthetic.ZipfMarkovChain, tail: torch.Tensor) -> float:
     """sum_b max_c mu(b and c) / sum_b mu(b) over the tail classes (1: every bucket within one chain cluster)."""
     index = sampler.index
     k = index.codebook_size
@@ -141,8 +143,6 @@ def frequency_bands(z, weight, blocks_prev, blocks_next, chain, head: int) -> li
 
 
 def main(argv=None) -> dict:
-    import json
-
     p = common.base_parser(__doc__.split("\n\n")[0], timed=False, plots=False)
     p.add_argument("run_dir", type=Path, help="output folder of a finished recipes/large_vocab.py run")
     p.add_argument("--contexts", type=int, default=256, help="S held-out queries")
@@ -158,7 +158,7 @@ def main(argv=None) -> dict:
         syn = results["synthetic"]
     except (OSError, ValueError, KeyError) as err:
         raise SystemExit(f"{args.run_dir}: not a large_vocab run ({err}).") from None
-    chain = ZipfMarkovChain(
+    chain = synthetic.ZipfMarkovChain(
         syn["vocab_size"], syn["zipf_exponent"], syn["num_clusters"], syn["successors"], syn["corpus_seed"]
     )
     seq_len = results["data"]["seq_len"]
@@ -204,43 +204,24 @@ def main(argv=None) -> dict:
         print({key: round(val, 4) if isinstance(val, float) else val for key, val in row.items()}, flush=True)
     bands = frequency_bands(z, weight, prev, nxt, chain, args.exact_head)
     tag = args.tag or args.run_dir.name
-    settings = {
-        "run_dir": str(args.run_dir),
-        "contexts": args.contexts,
-        "num_samples": args.num_samples,
-        "exact_head": args.exact_head,
-        "seed": args.seed,
-        "model_tokens": results["train_tokens_seen"],
-        "model_sampler": results["sampler"],
-        "head_mass": head_mass,
-    }
+    settings = {"run_dir": str(args.run_dir), "contexts": args.contexts, "num_samples": args.num_samples,
+                "exact_head": args.exact_head, "seed": args.seed, "model_tokens": results["train_tokens_seen"],
+                "model_sampler": results["sampler"], "head_mass": head_mass}  # fmt: skip
     fmt = lambda x: "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))  # noqa: E731
-    columns = [
-        ("proposal", "proposal"),
-        ("ESS / M", "ess"),
-        ("KL(P||Q)", "kl_pq"),
-        ("mass p/q > 10", "mass_p_over_q_gt_10"),
-        ("MIDX part: KL bucket stage", "kl_bucket_stage"),
-        ("MIDX part: KL last stage", "kl_last_stage"),
-        ("P mass in buckets P_B/Q_B > 10", "mass_in_light_buckets"),
-        ("exact last stage: ESS / M", "exact_last_stage_ess"),
-        ("exact last stage: KL(P||Q)", "exact_last_stage_kl_pq"),
-        ("cluster purity", "cluster_purity"),
-        ("non-empty buckets", "nonempty_buckets"),
-    ]
+    columns = [("proposal", "proposal"), ("ESS / M", "ess"), ("KL(P||Q)", "kl_pq"), ("mass p/q > 10", "mass_p_over_q_gt_10"),
+               ("MIDX part: KL bucket stage", "kl_bucket_stage"), ("MIDX part: KL last stage", "kl_last_stage"),
+               ("P mass in buckets P_B/Q_B > 10", "mass_in_light_buckets"),
+               ("exact last stage: ESS / M", "exact_last_stage_ess"),
+               ("exact last stage: KL(P||Q)", "exact_last_stage_kl_pq"), ("cluster purity", "cluster_purity"),
+               ("non-empty buckets", "nonempty_buckets")]  # fmt: skip
     md = (
         f"# {NAME}: {args.run_dir.name}\n\nModel: {results['sampler']} after {results['train_tokens_seen']:,} "
         f"tokens (V = {v:,}); {args.contexts} held-out contexts; exact head H = {args.exact_head} holds "
         f"{head_mass:.3f} of the softmax's mass; P = the softmax over the other {tail.numel():,} classes.\n\n"
         + common.markdown_table([{k: fmt(r.get(k)) for _, k in columns} for r in rows], columns)
     )
-    band_columns = [
-        ("next word", "band"),
-        ("model's mass", "model_mass"),
-        ("true mass", "true_mass"),
-        ("share of labels", "label_share"),
-        ("share of the excess NLL", "excess_nll_share"),
-    ]
+    band_columns = [("next word", "band"), ("model's mass", "model_mass"), ("true mass", "true_mass"),
+                    ("share of labels", "label_share"), ("share of the excess NLL", "excess_nll_share")]  # fmt: skip
     md += "\n\n## Where the model's error lies\n\n" + common.markdown_table(
         [{k: fmt(r[k]) for _, k in band_columns} for r in bands], band_columns
     )

@@ -26,9 +26,8 @@ from pathlib import Path
 
 if __package__:
     from . import common
-else:  # run as a file: its folder, recipes/benchmarks, is first on sys.path
+else:  # run as a file: this folder is first on sys.path
     import common
-
 
 NAME = "synthetic_curves"
 DIAGNOSTICS = (
@@ -154,31 +153,20 @@ def _fmt(x: float | None, digits: int = 3) -> str:
 
 
 def markdown(v: int, rows: list[dict], optimum: float) -> str:
-    table = [
-        {
-            "config": r["config"],
-            "seeds": ", ".join(map(str, r["seeds"])),
-            "per_seed": ", ".join(_fmt(x) for x in r["test_ratio"]),
-            "mean": _fmt(r["mean"]) + ("" if r["sd"] is None else f" +- {_fmt(r['sd'])}"),
-            "vs": "-"
-            if "vs_unigram_pct" not in r
-            else ", ".join(f"{d:+.2f}%" for d in r["vs_unigram_pct"])
-            + ("" if r["vs_unigram_sd"] is None else f" (mean {r['vs_unigram_mean']:+.2f}% +- {r['vs_unigram_sd']:.2f})"),
-            "tokens": f"{r['tokens']:,}",
-            "speed": f"{r['tokens_per_second']:,.0f}",
-        }
-        for r in rows
-    ]
+    def vs_unigram(r):
+        if "vs_unigram_pct" not in r:
+            return "-"
+        mean = "" if r["vs_unigram_sd"] is None else f" (mean {r['vs_unigram_mean']:+.2f}% +- {r['vs_unigram_sd']:.2f})"
+        return ", ".join(f"{d:+.2f}%" for d in r["vs_unigram_pct"]) + mean
+
     columns = [
-        ("configuration", "config"),
-        ("seeds", "seeds"),
-        ("test ppl / optimum, per seed", "per_seed"),
-        ("mean +- sd", "mean"),
-        ("vs unigram (same M, H), paired", "vs"),
-        ("training tokens", "tokens"),
-        ("tokens/s", "speed"),
-    ]
-    return f"## V = {v:,} (optimal perplexity {optimum:.2f})\n\n" + common.markdown_table(table, columns)
+        ("configuration", "config"), ("seeds", lambda r: ", ".join(map(str, r["seeds"]))),
+        ("test ppl / optimum, per seed", lambda r: ", ".join(_fmt(x) for x in r["test_ratio"])),
+        ("mean +- sd", lambda r: _fmt(r["mean"]) + ("" if r["sd"] is None else f" +- {_fmt(r['sd'])}")),
+        ("vs unigram (same M, H), paired", vs_unigram), ("training tokens", lambda r: f"{r['tokens']:,}"),
+        ("tokens/s", lambda r: f"{r['tokens_per_second']:,.0f}"),
+    ]  # fmt: skip
+    return f"## V = {v:,} (optimal perplexity {optimum:.2f})\n\n" + common.markdown_table(rows, columns)
 
 
 def plot(v: int, runs: list[dict], out: Path) -> Path:
