@@ -41,6 +41,9 @@ class MidxSampler(Sampler):
     then a class from the bucket (uniformly, or by frequency with ``last_stage="frequency"``); with
     ``mix_weight`` > 0 the defensive mixture of the module docstring. Per query:
     O(K D + K^2 + M log V); nothing of size V.
+
+    ``mix_weight`` defaults to 0 here because a sampler built without ``class_counts`` has no unigram
+    table to mix; :class:`hf_midx.MidxConfig` (0.5) is where the trained defaults live.
     """
 
     name = "midx"

@@ -208,11 +208,11 @@ def main(argv=None) -> dict:
                 "exact_head": args.exact_head, "seed": args.seed, "model_tokens": results["train_tokens_seen"],
                 "model_sampler": results["sampler"], "head_mass": head_mass}  # fmt: skip
     fmt = lambda x: "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))  # noqa: E731
-    columns = [("proposal", "proposal"), ("ESS / M", "ess"), ("KL(P||Q)", "kl_pq"), ("mass p/q > 10", "mass_p_over_q_gt_10"),
+    columns = [("proposal", "proposal"), ("ESS / M", "ess"), ("KL(P‖Q)", "kl_pq"), ("mass p/q > 10", "mass_p_over_q_gt_10"),
                ("MIDX part: KL bucket stage", "kl_bucket_stage"), ("MIDX part: KL last stage", "kl_last_stage"),
                ("P mass in buckets P_B/Q_B > 10", "mass_in_light_buckets"),
                ("exact last stage: ESS / M", "exact_last_stage_ess"),
-               ("exact last stage: KL(P||Q)", "exact_last_stage_kl_pq"), ("cluster purity", "cluster_purity"),
+               ("exact last stage: KL(P‖Q)", "exact_last_stage_kl_pq"), ("cluster purity", "cluster_purity"),
                ("non-empty buckets", "nonempty_buckets")]  # fmt: skip
     md = (
         f"# {NAME}: {args.run_dir.name}\n\nModel: {results['sampler']} after {results['train_tokens_seen']:,} "
