@@ -463,6 +463,7 @@ def pyplot():
 
 def save_figure(fig, out_dir: str | Path, filename: str) -> Path:
     path = Path(out_dir) / filename
+    path.parent.mkdir(parents=True, exist_ok=True)  # a script may plot before it writes its tables
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     pyplot().close(fig)
