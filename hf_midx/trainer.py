@@ -93,13 +93,13 @@ class MidxTrainer(PerplexityMixin, Trainer):
                     f"MidxTrainer cannot use {option}: it needs the full logits, which the MIDX head does not "
                     "compute during training (it computes the sampled-softmax loss itself)."
                 )
-        self._midx_find_head()
+        _head_of(self)
         self.midx_callback: MidxCallback = MidxCallback.install(self)
 
     @property
     def midx_head(self) -> MidxLMHead:
         """The wrapped LM head being trained."""
-        return self._midx_find_head()
+        return _head_of(self)
 
     @property
     def midx_config(self) -> MidxConfig:
@@ -178,16 +178,17 @@ class MidxTrainer(PerplexityMixin, Trainer):
         if self.is_world_process_zero():
             write_model_card(self, self.args.output_dir, **card_args)
 
-    def _midx_find_head(self) -> MidxLMHead:
-        head = find_head(self.model)
-        if head is None and self.model is not None:
-            head = find_head(self.accelerator.unwrap_model(self.model))
-        if head is None:
-            raise ValueError(
-                "MidxTrainer needs a model whose LM head is a MidxLMHead: call hf_midx.wrap(model, ...) first "
-                "(for model_init, wrap the model inside it)."
-            )
-        return head
+def _head_of(trainer: MidxTrainer) -> MidxLMHead:
+    """The trainer's MidxLMHead, looked up through accelerate's wrappers too; ValueError without one."""
+    head = find_head(trainer.model)
+    if head is None and trainer.model is not None:
+        head = find_head(trainer.accelerator.unwrap_model(trainer.model))
+    if head is None:
+        raise ValueError(
+            "MidxTrainer needs a model whose LM head is a MidxLMHead: call hf_midx.wrap(model, ...) first "
+            "(for model_init, wrap the model inside it)."
+        )
+    return head
 
 
 #: The render_model_card arguments that MidxTrainer.model_card_extras may set.

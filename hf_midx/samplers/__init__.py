@@ -17,15 +17,6 @@ from .lsh import LSHSampler
 SAMPLER_OPTIONS: tuple[str, ...] = all_sampler_options()
 
 
-def __getattr__(name: str):
-    # The diagnostics moved to hf_midx.diagnostics (it imports this package, so it is loaded lazily here).
-    if name in ("kl_to_softmax", "proposal_diagnostics"):
-        from .. import diagnostics
-
-        return getattr(diagnostics, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "LAST_STAGES",
     "MIX_STATICS",
@@ -45,7 +36,5 @@ __all__ = [
     "build_sampler",
     "check_counts",
     "check_sampler_options",
-    "kl_to_softmax",
-    "proposal_diagnostics",
     "register",
 ]
