@@ -14,10 +14,10 @@ index is rebuilt every 100 steps: a default run is one epoch, and the library's 
 alone would keep the index of the random initial weights.
 
 The defaults make a learning curve that fits a 2-core CPU: 8,000,000 fresh training tokens seen once each
-(5,000 steps of 32 x 50 tokens; a corpus of 500k tokens overfits after about 900 steps at V = 100,000), the paper's GPT-2 narrowed to n_embd 128 and n_inner 512
-when training from scratch, validation every 500 steps. At V = 100,000 a sampled run took 81-95 minutes on
-one of two busy cores (about 50 alone) and reached 1.52x the optimal test perplexity; the full softmax
-runs about 6x slower per token.
+(5,000 steps of 32 x 50 tokens; a corpus of 500k tokens overfits after about 900 steps at V = 100,000),
+the paper's GPT-2 narrowed to n_embd 128 and n_inner 512 when training from scratch, validation every 500
+steps. At V = 100,000 a sampled run took 81-95 minutes on one of two shared cores and reached 1.52x the
+optimal test perplexity; the full softmax runs about 6x slower per token.
 """
 
 from __future__ import annotations
