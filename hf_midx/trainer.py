@@ -178,6 +178,7 @@ class MidxTrainer(PerplexityMixin, Trainer):
         if self.is_world_process_zero():
             write_model_card(self, self.args.output_dir, **card_args)
 
+
 def _head_of(trainer: MidxTrainer) -> MidxLMHead:
     """The trainer's MidxLMHead, looked up through accelerate's wrappers too; ValueError without one."""
     head = find_head(trainer.model)
