@@ -733,3 +733,17 @@ def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path):
     assert math.isclose(sum(b["model_mass"] for b in bands), 1.0, rel_tol=1e-5)
     assert math.isclose(sum(b["label_share"] for b in bands), 1.0, rel_tol=1e-9)
     assert math.isclose(sum(b["excess_nll_share"] for b in bands), 1.0, rel_tol=1e-6)
+
+    from recipes.benchmarks import synthetic_gradient
+
+    grad = synthetic_gradient.main([str(tmp_path / "midx-rq_s3"), "--out", str(tmp_path / "report"), "--contexts", "16",
+                                    "--repeats", "3", "--num_samples", "20", "--exact_heads", "64", "0",
+                                    "--proposals", "unigram", "midx-rq K=64"])  # fmt: skip
+    rows = grad["rows"]
+    assert [(r["exact_head"], r["proposal"], r["estimator"]) for r in rows[:2]] == [
+        (64, "unigram", "corrected-positive"), (64, "unigram", "exact-positive")]  # fmt: skip
+    assert len(rows) == 8 and {r["exact_head"] for r in rows} == {64, 0}
+    for r in rows:
+        assert all(math.isfinite(r[k]) and r[k] >= 0 for k in ("bias_w", "noise_w", "bias_z", "noise_z")), r
+        assert -1 <= r["cos_w"] <= 1 + 1e-9 and (r["head_mass"] > 0) == (r["exact_head"] > 0)
+    assert (tmp_path / "report" / "synthetic_gradient_midx-rq_s3.md").is_file()

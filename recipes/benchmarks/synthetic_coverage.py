@@ -72,6 +72,28 @@ def queries_of(run_dir: Path, chain: synthetic.ZipfMarkovChain, seq_len: int, co
     return hidden[rows, position].float(), weight, blocks[rows, position], blocks[rows, position + 1]
 
 
+def load_run(run_dir: Path, contexts: int, seed: int) -> dict:
+    """A finished large_vocab run, read back: its ``results`` (dict), the ``chain``, the training ``counts``
+    (V,) int64, and at S = ``contexts`` held-out positions the hidden states ``z`` (S, D) float32, the head
+    ``weight`` (V, D) float32 and the words at (``prev``) and after (``next``) them, (S,) int64.
+    SystemExit when ``run_dir`` holds no large_vocab results."""
+    try:
+        results = json.loads((run_dir / "results.json").read_text())
+        syn = results["synthetic"]
+    except (OSError, ValueError, KeyError) as err:
+        raise SystemExit(f"{run_dir}: not a large_vocab run ({err}).") from None
+    chain = synthetic.ZipfMarkovChain(
+        syn["vocab_size"], syn["zipf_exponent"], syn["num_clusters"], syn["successors"], syn["corpus_seed"]
+    )
+    seq_len = results["data"]["seq_len"]
+    counts = hf_midx.token_counts(
+        torch.from_numpy(chain.sample_blocks(results["data"]["train_blocks"], seq_len + 1, seed=[syn["corpus_seed"], 0])),
+        syn["vocab_size"],
+    )
+    z, weight, prev, nxt = queries_of(run_dir, chain, seq_len, contexts, seed)
+    return {"results": results, "chain": chain, "counts": counts, "z": z, "weight": weight, "prev": prev, "next": nxt}
+
+
 def bucket_terms(sampler, log_p: torch.Tensor, log_q: torch.Tensor, log_static: torch.Tensor | None, mix: float):
     """Per-query bucket-stage KL, last-stage KL, P's mass in buckets with P_B/Q_B > 10, and the exact-last-stage
     proposal's ESS and KL. log_p, log_q: (S, V') over the sampler's classes; log_q is the MIDX component only."""
@@ -153,21 +175,9 @@ def main(argv=None) -> dict:
     args = common.parse(p, argv)
     if args.contexts < 1 or args.num_samples < 1 or args.exact_head < 0:
         raise SystemExit("--contexts and --num_samples must be >= 1 and --exact_head >= 0.")
-    try:
-        results = json.loads((args.run_dir / "results.json").read_text())
-        syn = results["synthetic"]
-    except (OSError, ValueError, KeyError) as err:
-        raise SystemExit(f"{args.run_dir}: not a large_vocab run ({err}).") from None
-    chain = synthetic.ZipfMarkovChain(
-        syn["vocab_size"], syn["zipf_exponent"], syn["num_clusters"], syn["successors"], syn["corpus_seed"]
-    )
-    seq_len = results["data"]["seq_len"]
-    train_blocks = results["data"]["train_blocks"]
-    counts = hf_midx.token_counts(
-        torch.from_numpy(chain.sample_blocks(train_blocks, seq_len + 1, seed=[syn["corpus_seed"], 0])),
-        syn["vocab_size"],
-    )
-    z, weight, prev, nxt = queries_of(args.run_dir, chain, seq_len, args.contexts, args.seed)
+    run = load_run(args.run_dir, args.contexts, args.seed)
+    results, chain, counts = run["results"], run["chain"], run["counts"]
+    z, weight, prev, nxt = run["z"], run["weight"], run["prev"], run["next"]
     v = weight.shape[0]
     head = torch.topk(counts.double(), args.exact_head).indices if args.exact_head else torch.empty(0, dtype=torch.long)
     in_head = torch.zeros(v, dtype=torch.bool)
