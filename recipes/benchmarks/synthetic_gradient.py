@@ -13,8 +13,9 @@ of the full softmax over the same batch:
 * sampling noise = sqrt(E ||Ĝ - E Ĝ||^2) / ||G||: what the draws add to each step;
 * data noise = the same for the exact gradient of a batch of S contexts drawn afresh, estimated from the
   per-context gradients (sqrt(S (mean_t ||g_t||^2 - ||mean_t g_t||^2)) / ||G||): the noise SGD already
-  has at this batch size, the yardstick for the two above. Both noises scale as 1 / sqrt(batch), so their
-  ratio holds at the training batch; the bias does not shrink with the batch;
+  has at this batch size, the yardstick for the two above. Both noises grow as sqrt(batch), so their
+  ratio holds at any batch; the bias grows with the batch itself, so its ratio to the data noise is
+  reported at the training batch B (``--batch_tokens``): (bias / data noise at S) * sqrt(B / S).
 
 Both estimators are measured (``--estimators``): "corrected-positive" (the default) and "exact-positive"
 (the paper's); see ``hf_midx.loss``.
@@ -124,14 +125,15 @@ def main(argv=None) -> dict:
     p.add_argument("--contexts", type=int, default=256, help="S held-out contexts: the batch")
     p.add_argument("--repeats", type=int, default=16, help="R independent draws of the loss per proposal (>= 2)")
     p.add_argument("--num_samples", type=int, default=100, help="M negatives per token")
+    p.add_argument("--batch_tokens", type=int, default=1600, help="B: the training batch in tokens (large_vocab: 32 x 50)")
     p.add_argument("--exact_heads", type=int, nargs="+", default=[2048, 0], help="H values (0: no exact head)")
     p.add_argument("--estimators", nargs="+", default=["corrected-positive", "exact-positive"], choices=ESTIMATORS,
                    help="how the label enters the loss (hf_midx.loss)")
     p.add_argument("--proposals", nargs="+", default=list(DEFAULT_PROPOSALS), choices=list(PROPOSALS), metavar="NAME")
     p.add_argument("--tag", default=None, help="suffix of the output names (default: the run folder's name)")
     args = common.parse(p, argv)
-    if args.contexts < 2 or args.repeats < 2 or args.num_samples < 1 or min(args.exact_heads) < 0:
-        raise SystemExit("--contexts and --repeats must be >= 2, --num_samples >= 1 and --exact_heads >= 0.")
+    if args.contexts < 2 or args.repeats < 2 or args.num_samples < 1 or args.batch_tokens < 1 or min(args.exact_heads) < 0:
+        raise SystemExit("--contexts and --repeats must be >= 2, --num_samples and --batch_tokens >= 1, --exact_heads >= 0.")
     run = synthetic_coverage.load_run(args.run_dir, args.contexts, args.seed)
     z, weight, labels, counts = run["z"], run["weight"], run["next"], run["counts"]
     v = weight.shape[0]
@@ -154,18 +156,20 @@ def main(argv=None) -> dict:
             row = {"exact_head": h, "head_mass": head_mass, "proposal": name, "estimator": estimator,
                    **compare(exact, sampled, args.repeats)}  # fmt: skip
             row["noise_w_over_data"] = row["noise_w"] / data_noise
-            row["bias_w_over_data"] = row["bias_w"] / data_noise
+            row["bias_w_over_data_at_batch"] = row["bias_w"] / data_noise * math.sqrt(args.batch_tokens / args.contexts)
             rows.append(row)
             print({key: round(val, 4) if isinstance(val, float) else val for key, val in row.items()}, flush=True)
     results = run["results"]
     settings = {"run_dir": str(args.run_dir), "contexts": args.contexts, "repeats": args.repeats,
-                "num_samples": args.num_samples, "exact_heads": args.exact_heads, "seed": args.seed,
+                "num_samples": args.num_samples, "exact_heads": args.exact_heads, "batch_tokens": args.batch_tokens,
+                "seed": args.seed,
                 "model_tokens": results["train_tokens_seen"], "model_sampler": results["sampler"],
                 "full_loss": exact["loss"], "data_noise_w": data_noise}  # fmt: skip
     fmt = lambda x: f"{x:.3f}" if isinstance(x, float) else str(x)  # noqa: E731
     columns = [("H", "exact_head"), ("head mass", "head_mass"), ("proposal", "proposal"), ("estimator", "estimator"),
                ("W: bias", "bias_w"), ("W: sampling noise", "noise_w"), ("W: cos(E Ĝ, G)", "cos_w"),
-               ("W: bias / data noise", "bias_w_over_data"), ("W: sampling / data noise", "noise_w_over_data"),
+               ("W: sampling / data noise", "noise_w_over_data"),
+               (f"W: bias / data noise at B = {args.batch_tokens:,}", "bias_w_over_data_at_batch"),
                ("Z: bias", "bias_z"), ("Z: sampling noise", "noise_z")]  # fmt: skip
     md = (
         f"# {NAME}: {args.run_dir.name}\n\nModel: {results['sampler']} after {results['train_tokens_seen']:,} tokens "
