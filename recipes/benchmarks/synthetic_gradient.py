@@ -4,7 +4,7 @@ Coverage (``synthetic_coverage.py``) says how well a proposal matches the softma
 reaches the gradient the optimizer sees. For S held-out contexts of the run's own chain (hidden states Z,
 the chain's next words y as labels) and each proposal, R independent draws of the training loss
 (``hf_midx.sampled_softmax_loss`` as ``MidxLMHead`` calls it: the exact head of the H most frequent
-classes, M negatives per token, the corrected-positive estimator) give gradients Ĝ of the summed loss
+classes, M negatives per token, each estimator) give gradients Ĝ of the summed loss
 with respect to the head weight W (V, D) and to the hidden states Z (S, D). Against the exact gradient G
 of the full softmax over the same batch:
 
