@@ -164,14 +164,20 @@ def frequency_bands(z, weight, blocks_prev, blocks_next, chain, head: int) -> li
     return rows
 
 
-def main(argv=None) -> dict:
-    p = common.base_parser(__doc__.split("\n\n")[0], timed=False, plots=False)
+def run_parser(description: str):
+    """The flags of a script that reads one large_vocab run (this one and ``synthetic_gradient.py``)."""
+    p = common.base_parser(description, timed=False, plots=False)
     p.add_argument("run_dir", type=Path, help="output folder of a finished recipes/large_vocab.py run")
-    p.add_argument("--contexts", type=int, default=256, help="S held-out queries")
-    p.add_argument("--num_samples", type=int, default=100, help="M, for the sampled ESS")
+    p.add_argument("--contexts", type=int, default=256, help="S held-out contexts, one position each")
+    p.add_argument("--num_samples", type=int, default=100, help="M negatives per token")
+    p.add_argument("--tag", default=None, help="suffix of the output names (default: the run folder's name)")
+    return p
+
+
+def main(argv=None) -> dict:
+    p = run_parser(__doc__.split("\n\n")[0])
     p.add_argument("--exact_head", type=int, default=2048, help="H (0: no exact head)")
     p.add_argument("--proposals", nargs="+", default=list(PROPOSALS), choices=list(PROPOSALS), metavar="NAME")
-    p.add_argument("--tag", default=None, help="suffix of the output names (default: the run folder's name)")
     args = common.parse(p, argv)
     if args.contexts < 1 or args.num_samples < 1 or args.exact_head < 0:
         raise SystemExit("--contexts and --num_samples must be >= 1 and --exact_head >= 0.")

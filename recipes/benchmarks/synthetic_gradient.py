@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from pathlib import Path
 
 import torch
 
@@ -120,17 +119,13 @@ def compare(exact: dict, sampled: dict, repeats: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = common.base_parser(__doc__.split("\n\n")[0], timed=False, plots=False)
-    p.add_argument("run_dir", type=Path, help="output folder of a finished recipes/large_vocab.py run")
-    p.add_argument("--contexts", type=int, default=256, help="S held-out contexts: the batch")
+    p = synthetic_coverage.run_parser(__doc__.split("\n\n")[0])  # S contexts are the batch here
     p.add_argument("--repeats", type=int, default=16, help="R independent draws of the loss per proposal (>= 2)")
-    p.add_argument("--num_samples", type=int, default=100, help="M negatives per token")
     p.add_argument("--batch_tokens", type=int, default=1600, help="B: the training batch in tokens (large_vocab: 32 x 50)")
     p.add_argument("--exact_heads", type=int, nargs="+", default=[2048, 0], help="H values (0: no exact head)")
     p.add_argument("--estimators", nargs="+", default=["corrected-positive", "exact-positive"], choices=ESTIMATORS,
                    help="how the label enters the loss (hf_midx.loss)")
     p.add_argument("--proposals", nargs="+", default=list(DEFAULT_PROPOSALS), choices=list(PROPOSALS), metavar="NAME")
-    p.add_argument("--tag", default=None, help="suffix of the output names (default: the run folder's name)")
     args = common.parse(p, argv)
     if args.contexts < 2 or args.repeats < 2 or args.num_samples < 1 or args.batch_tokens < 1 or min(args.exact_heads) < 0:
         raise SystemExit("--contexts and --repeats must be >= 2, --num_samples and --batch_tokens >= 1, --exact_heads >= 0.")
