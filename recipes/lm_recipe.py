@@ -421,6 +421,7 @@ def train_and_report(
         "recipe": recipe,
         "complete": True,
         "sampler": lm_args.FULL if midx_config is None else midx_config.sampler,
+        "seed": training_args.seed,
         "midx_config": None if midx_config is None else midx_config.to_dict(),
         "data": {
             "source": data.description,

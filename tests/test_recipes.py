@@ -687,6 +687,27 @@ def test_sigterm_before_the_first_checkpoint_leaves_no_output_folder(corpus, tmp
     assert not out.exists()
 
 
+def test_synthetic_curves_tables_wikitext2_runs_against_the_full_softmax(trained, tmp_path):
+    """WikiText-2 runs: perplexities as they are (no optimum), the seed from results.json, and the difference
+    of each configuration's mean to the full softmax's."""
+    from recipes.benchmarks import synthetic_curves
+
+    results = {s: json.loads((trained[s][0] / "results.json").read_text()) for s in ("full", "midx-rq")}
+    payload = synthetic_curves.main([str(trained["full"][0]), str(trained["midx-rq"][0]),
+                                     "--out", str(tmp_path / "report"), "--no_plots"])  # fmt: skip
+    vocab = results["full"]["data"]["vocab_size"]
+    rows = {row["config"].split()[0]: row for row in payload["summary"][f"wikitext2_{vocab}"]}
+    assert set(rows) == {"full", "midx-rq"}
+    seed = results["full"]["seed"]
+    assert isinstance(seed, int) and rows["full"]["seeds"] == rows["midx-rq"]["seeds"] == [seed]
+    assert math.isclose(rows["full"]["mean"], results["full"]["test_perplexity"], rel_tol=1e-12)
+    expected = 100 * (results["midx-rq"]["test_perplexity"] / results["full"]["test_perplexity"] - 1)
+    assert math.isclose(rows["midx-rq"]["vs_full_pct"], expected, rel_tol=1e-9)
+    assert "vs_full_pct" not in rows["full"] and "vs_unigram_pct" not in rows["midx-rq"]
+    text = (tmp_path / "report" / "synthetic_curves.md").read_text()
+    assert f"## WikiText-2, V = {vocab:,}\n" in text and "optimum" not in text
+
+
 def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path):
     """The two reports of issue 16 on real (tiny) runs: paired differences, the exact KL split, purity."""
     from recipes.benchmarks import synthetic_coverage, synthetic_curves

@@ -1,19 +1,22 @@
-"""Learning curves of runs of ``recipes/large_vocab.py``: perplexity / optimum against tokens and time.
+"""Seed tables and learning curves of LM recipe runs: ``recipes/large_vocab.py`` and ``recipes/wikitext2.py``.
 
 Each run directory (the recipe's ``--output_dir``) holds ``results.json`` and ``trainer_state.json``.
-Runs are grouped by vocabulary size and configuration (sampler, M, exact head H, mixture, K); seeds are
-the groups' repeats. For every vocabulary size this writes
+Runs are grouped by corpus, vocabulary size and configuration (sampler, M, exact head H, mixture, K);
+seeds are the groups' repeats. On the synthetic corpus perplexities are divided by the chain's optimal
+(entropy-rate) perplexity; on WikiText-2, which has no known optimum, they are reported as they are.
+For every corpus and vocabulary size this writes
 
-* a table of the final test perplexity divided by the chain's optimal (entropy-rate) perplexity, per
-  seed and as mean +- standard deviation, and each configuration's paired difference to ``unigram``
-  with the same M and H (same seeds: mean and standard deviation of the per-seed differences, in % of
-  unigram's perplexity; "below by more than twice the paired sd" is the claim these figures test);
-* ``<name>_v<V>.png``: validation perplexity / optimum against training tokens and against training
-  wall-clock (the Trainer's ``train_runtime`` at each log, evaluation excluded), and the training-time
-  coverage diagnostics that ``MidxCallback`` logs (ESS / M, KL(P || Q), the exact head's share of the
-  softmax mass, P's mass on classes with p / q > 10) against tokens.
+* a table of the final test perplexity, per seed and as mean +- standard deviation; each configuration's
+  paired difference to ``unigram`` with the same M and H (same seeds: mean and standard deviation of the
+  per-seed differences, in % of unigram's perplexity; "below by more than twice the paired sd" is the
+  claim these figures test); and its mean's difference to the full softmax's mean (in %);
+* ``<name>_<corpus>_v<V>.png``: validation perplexity (/ optimum) against training tokens and against
+  training wall-clock (the Trainer's ``train_runtime`` at each log, evaluation excluded), and the
+  training-time coverage diagnostics that ``MidxCallback`` logs (ESS / M, KL(P || Q), the exact head's
+  share of the softmax mass, P's mass on classes with p / q > 10) against tokens.
 
-Run: ``python recipes/benchmarks/synthetic_curves.py runs/syn/* --out recipes/benchmarks/results/cpu-synthetic``.
+Run: ``python recipes/benchmarks/synthetic_curves.py runs/syn/* --out recipes/benchmarks/results/cpu-synthetic``
+(or the output folders of ``recipes/wikitext2.py`` runs).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ else:  # run as a file: this folder is first on sys.path
     import common
 
 NAME = "synthetic_curves"
+CORPORA = {"large_vocab": "synthetic", "wikitext2": "wikitext2"}
+TITLES = {"synthetic": "synthetic Zipf-Markov corpus", "wikitext2": "WikiText-2"}
 DIAGNOSTICS = (
     ("midx/ess", "ESS / M"),
     ("midx/kl_pq", "KL(P || Q), nats"),
@@ -39,7 +44,7 @@ DIAGNOSTICS = (
 
 
 def config_label(results: dict) -> str:
-    """'full', or the sampler with the settings that tell runs apart (M, H, K, mixture, last stage)."""
+    """'full', or the sampler with the settings that tell runs apart (M, H, K, mixture, last stage, estimator)."""
     cfg = results.get("midx_config")
     if cfg is None:
         return results["sampler"]
@@ -52,6 +57,8 @@ def config_label(results: dict) -> str:
             parts.append(f"last={cfg['last_stage']}")
     if cfg.get("negatives", "per-query") != "per-query":
         parts.append(cfg["negatives"])
+    if cfg.get("estimator", "corrected-positive") != "corrected-positive":
+        parts.append(cfg["estimator"])
     return " ".join(parts)
 
 
@@ -67,15 +74,18 @@ def run_seed(results: dict, run_dir: Path) -> int:
 
 
 def load_run(run_dir: Path) -> dict:
-    """One run: label, seed, V, optimum, final test perplexity and its curves (lists of points)."""
+    """One run: label, seed, corpus, V, optimum (None on WikiText-2), final test perplexity and its curves."""
     try:
         results = json.loads((run_dir / "results.json").read_text())
         history = json.loads((run_dir / "trainer_state.json").read_text())["log_history"]
     except (OSError, ValueError, KeyError) as err:
-        raise SystemExit(f"{run_dir}: not a finished large_vocab run ({err}).") from None
-    if results.get("recipe") != "large_vocab" or not results.get("complete"):
-        raise SystemExit(f"{run_dir}: results.json is not a complete large_vocab run.")
-    optimum = results["optimal_perplexity"]
+        raise SystemExit(f"{run_dir}: not a finished large_vocab or wikitext2 run ({err}).") from None
+    if results.get("recipe") not in CORPORA or not results.get("complete"):
+        raise SystemExit(f"{run_dir}: results.json is not a complete large_vocab or wikitext2 run.")
+    if results.get("test_perplexity") is None:
+        raise SystemExit(f"{run_dir}: the run has no test perplexity (it was run without a test split).")
+    optimum = results.get("optimal_perplexity")  # the synthetic chain's; WikiText-2 has none
+    scale = optimum or 1.0
     train = [e for e in history if "loss" in e and "train_runtime" in e]
     # Wall-clock at a step: the Trainer's cumulative train_runtime, interpolated between training logs.
     steps = [0] + [e["step"] for e in train]
@@ -92,7 +102,7 @@ def load_run(run_dir: Path) -> dict:
             "step": e["step"],
             "tokens": e["num_input_tokens_seen"],
             "seconds": seconds_at(e["step"]),
-            "ratio": e["eval_perplexity"] / optimum,
+            "ratio": e["eval_perplexity"] / scale,
         }
         for e in history
         if "eval_perplexity" in e
@@ -104,10 +114,11 @@ def load_run(run_dir: Path) -> dict:
         "dir": str(run_dir),
         "label": config_label(results),
         "seed": run_seed(results, run_dir),
+        "corpus": CORPORA[results["recipe"]],
         "vocab_size": results["data"]["vocab_size"],
         "optimum": optimum,
         "test_perplexity": results["test_perplexity"],
-        "test_ratio": results["test_perplexity"] / optimum,
+        "test_ratio": results["test_perplexity"] / scale,
         "tokens": results["train_tokens_seen"],
         "train_seconds": results["train_runtime_s"],
         "tokens_per_second": results["tokens_per_second"],
@@ -117,10 +128,13 @@ def load_run(run_dir: Path) -> dict:
 
 
 def summarize(runs: list[dict]) -> list[dict]:
-    """One row per configuration: per-seed ratios, mean +- sd, and the paired difference to unigram."""
+    """One row per configuration: per-seed ratios, mean +- sd, the paired difference to unigram, and the
+    difference of its mean test perplexity to the full softmax's (``vs_full_pct``, when a full run is there)."""
     groups: dict[str, dict[int, dict]] = {}
     for r in runs:
         groups.setdefault(r["label"], {})[r["seed"]] = r
+    full = groups.get("full")
+    full_mean = statistics.fmean(r["test_perplexity"] for r in full.values()) if full else None
     rows = []
     for label, by_seed in sorted(groups.items()):
         ratios = [by_seed[s]["test_ratio"] for s in sorted(by_seed)]
@@ -133,6 +147,8 @@ def summarize(runs: list[dict]) -> list[dict]:
             "tokens": max(r["tokens"] for r in by_seed.values()),
             "tokens_per_second": statistics.fmean(r["tokens_per_second"] for r in by_seed.values()),
         }
+        if full_mean is not None and label != "full":
+            row["vs_full_pct"] = 100 * (statistics.fmean(r["test_perplexity"] for r in by_seed.values()) / full_mean - 1)
         m_h = re.search(r"( M=\d+ H=\d+)", label)
         baseline = groups.get(f"unigram{m_h.group(1)}") if m_h and not label.startswith("unigram") else None
         if baseline:
@@ -152,24 +168,27 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return "-" if x is None or math.isnan(x) else f"{x:.{digits}f}"
 
 
-def markdown(v: int, rows: list[dict], optimum: float) -> str:
+def markdown(corpus: str, v: int, rows: list[dict], optimum: float | None) -> str:
     def vs_unigram(r):
         if "vs_unigram_pct" not in r:
             return "-"
         mean = "" if r["vs_unigram_sd"] is None else f" (mean {r['vs_unigram_mean']:+.2f}% +- {r['vs_unigram_sd']:.2f})"
         return ", ".join(f"{d:+.2f}%" for d in r["vs_unigram_pct"]) + mean
 
+    digits, unit = (3, "test ppl / optimum") if optimum else (1, "test perplexity")
     columns = [
         ("configuration", "config"), ("seeds", lambda r: ", ".join(map(str, r["seeds"]))),
-        ("test ppl / optimum, per seed", lambda r: ", ".join(_fmt(x) for x in r["test_ratio"])),
-        ("mean +- sd", lambda r: _fmt(r["mean"]) + ("" if r["sd"] is None else f" +- {_fmt(r['sd'])}")),
-        ("vs unigram (same M, H), paired", vs_unigram), ("training tokens", lambda r: f"{r['tokens']:,}"),
-        ("tokens/s", lambda r: f"{r['tokens_per_second']:,.0f}"),
+        (f"{unit}, per seed", lambda r: ", ".join(_fmt(x, digits) for x in r["test_ratio"])),
+        ("mean +- sd", lambda r: _fmt(r["mean"], digits) + ("" if r["sd"] is None else f" +- {_fmt(r['sd'], digits)}")),
+        ("vs unigram (same M, H), paired", vs_unigram),
+        ("vs full (means)", lambda r: f"{r['vs_full_pct']:+.2f}%" if "vs_full_pct" in r else "-"),
+        ("training tokens", lambda r: f"{r['tokens']:,}"), ("tokens/s", lambda r: f"{r['tokens_per_second']:,.0f}"),
     ]  # fmt: skip
-    return f"## V = {v:,} (optimal perplexity {optimum:.2f})\n\n" + common.markdown_table(rows, columns)
+    title = f"## {TITLES[corpus]}, V = {v:,}" + (f" (optimal perplexity {optimum:.2f})" if optimum else "")
+    return title + "\n\n" + common.markdown_table(rows, columns)
 
 
-def plot(v: int, runs: list[dict], out: Path) -> Path:
+def plot(corpus: str, v: int, runs: list[dict], out: Path) -> Path:
     plt = common.pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     labels = sorted({r["label"] for r in runs})
@@ -180,7 +199,8 @@ def plot(v: int, runs: list[dict], out: Path) -> Path:
             pts = r["evals"]
             ax.plot([p[x] for p in pts], [p["ratio"] for p in pts], color=colors[r["label"]], alpha=0.8,
                     label=f"{r['label']} (seed {r['seed']})")
-        ax.set(xlabel=xlabel, ylabel="validation perplexity / optimum", yscale="log")
+        ylabel = "validation perplexity" + (" / optimum" if runs[0]["optimum"] else "")
+        ax.set(xlabel=xlabel, ylabel=ylabel, yscale="log")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     for ax, (key, ylabel) in zip([axes[0][2], *axes[1]], DIAGNOSTICS):
@@ -190,25 +210,27 @@ def plot(v: int, runs: list[dict], out: Path) -> Path:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[r["label"]], alpha=0.7)
         ax.set(xlabel="training tokens", ylabel=ylabel)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"synthetic Zipf-Markov corpus, V = {v:,}")
-    return common.save_figure(fig, out, f"{NAME}_v{v}.png")
+    fig.suptitle(f"{TITLES[corpus]}, V = {v:,}")
+    stem = f"{NAME}_v{v}" if corpus == "synthetic" else f"{NAME}_{corpus}_v{v}"  # earlier results keep their names
+    return common.save_figure(fig, out, f"{stem}.png")
 
 
 def main(argv=None) -> dict:
     p = common.base_parser(__doc__.split("\n\n")[0], timed=False, seed=False)
-    p.add_argument("runs", nargs="+", type=Path, help="output folders of recipes/large_vocab.py runs")
+    p.add_argument("runs", nargs="+", type=Path, help="output folders of recipes/large_vocab.py or wikitext2.py runs")
     args = common.parse(p, argv)
     runs = [load_run(d) for d in args.runs]
-    by_v: dict[int, list[dict]] = {}
+    by_v: dict[tuple[str, int], list[dict]] = {}
     for r in runs:
-        by_v.setdefault(r["vocab_size"], []).append(r)
+        by_v.setdefault((r["corpus"], r["vocab_size"]), []).append(r)
     payload, sections = {"runs": runs, "summary": {}}, [f"# {NAME}"]
-    for v, group in sorted(by_v.items()):
+    for (corpus, v), group in sorted(by_v.items()):
         rows = summarize(group)
-        payload["summary"][str(v)] = rows
-        sections.append(markdown(v, rows, group[0]["optimum"]))
+        # Synthetic runs keep the key of earlier results (V alone); WikiText-2's names its corpus.
+        payload["summary"][str(v) if corpus == "synthetic" else f"{corpus}_{v}"] = rows
+        sections.append(markdown(corpus, v, rows, group[0]["optimum"]))
         if not args.no_plots:
-            plot(v, group, Path(args.out))
+            plot(corpus, v, group, Path(args.out))
     common.write_outputs(args.out, NAME, payload, "\n\n".join(sections))
     print("\n\n".join(sections))
     return payload
