@@ -148,7 +148,8 @@ def summarize(runs: list[dict]) -> list[dict]:
             "tokens_per_second": statistics.fmean(r["tokens_per_second"] for r in by_seed.values()),
         }
         if full_mean is not None and label != "full":
-            row["vs_full_pct"] = 100 * (statistics.fmean(r["test_perplexity"] for r in by_seed.values()) / full_mean - 1)
+            mean = statistics.fmean(r["test_perplexity"] for r in by_seed.values())
+            row["vs_full_pct"] = 100 * (mean / full_mean - 1)
         m_h = re.search(r"( M=\d+ H=\d+)", label)
         baseline = groups.get(f"unigram{m_h.group(1)}") if m_h and not label.startswith("unigram") else None
         if baseline:
