@@ -198,7 +198,7 @@ def plot(corpus: str, v: int, runs: list[dict], out: Path) -> Path:
     for ax, (x, xlabel) in zip(axes[0][:2], panels):
         for r in runs:
             pts = r["evals"]
-            ax.plot([p[x] for p in pts], [p["ratio"] for p in pts], color=colors[r["label"]], alpha=0.8,
+            ax.plot([p[x] for p in pts], [p["ratio"] for p in pts], color=colors[r["label"]], alpha=0.8, marker=".",
                     label=f"{r['label']} (seed {r['seed']})")
         ylabel = "validation perplexity" + (" / optimum" if runs[0]["optimum"] else "")
         ax.set(xlabel=xlabel, ylabel=ylabel, yscale="log")
