@@ -273,3 +273,35 @@ def test_synthetic_gradient_exact_reference_and_estimates():
     # variance correction the bias would read 0.35 and the noise 0.47).
     assert abs(sum(got_noise) / trials - 0.5) < 0.01, sum(got_noise) / trials
     assert abs(sum(got_bias) / trials - 0.3) < 0.015, sum(got_bias) / trials
+
+
+def test_synthetic_convergence(tmp_path):
+    """Every configuration learns from the same start (paired seeds), and the table's differences are its runs'."""
+    configs = ["full", "unigram H0", "midx-rq H0", "midx-rq"]
+    p = run_bench("synthetic_convergence", tmp_path, "--seeds", "2", "--configs", *configs)
+    assert_pngs(tmp_path, "synthetic_convergence.png")
+    runs = {(r["config"], r["seed"]): r for r in p["runs"]}
+    assert set(runs) == {(c, s) for c in configs for s in (0, 1)}
+    for r in runs.values():
+        curve = r["curve"]
+        assert curve[0]["step"] == 0 and curve[-1]["step"] == p["settings"]["steps"]
+        assert curve[-1]["ratio"] < 0.8 * curve[0]["ratio"], (r["config"], curve[0], curve[-1])  # it learned
+    for seed in (0, 1):  # same initial weights for every configuration of a seed; another seed, others
+        assert len({runs[(c, seed)]["curve"][0]["ratio"] for c in configs}) == 1
+    assert runs[("full", 0)]["curve"][0]["ratio"] != runs[("full", 1)]["curve"][0]["ratio"]
+    rows = {row["config"]: row for row in p["summary"]}
+    expected = [100 * (runs[("midx-rq H0", s)]["ratio"] / runs[("unigram H0", s)]["ratio"] - 1) for s in (0, 1)]
+    assert rows["midx-rq H0"]["vs_unigram_pct"] == pytest.approx(expected, rel=1e-12)
+    assert "vs_unigram_pct" not in rows["midx-rq"]  # no unigram with the exact head was trained
+    to_full = 100 * (runs[("midx-rq", 0)]["ratio"] / runs[("full", 0)]["ratio"] - 1)
+    assert rows["midx-rq"]["vs_full_pct"][0] == pytest.approx(to_full)
+    # The chain's own perplexity on the held-out pairs is near its entropy rate (a sample of 1,024 pairs).
+    assert 0.85 < p["oracle_test_perplexity"] / p["optimum"] < 1.15
+
+
+def test_synthetic_convergence_refuses_impossible_sizes(tmp_path):
+    script = [sys.executable, str(BENCH / "synthetic_convergence.py"), "--smoke", "--out", str(tmp_path)]
+    proc = subprocess.run([*script, "--num_samples", "400"], capture_output=True, text=True, env=offline_env(),
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "--num_samples 400 must be below half of --vocab_size 500" in proc.stderr
+    assert not (tmp_path / "synthetic_convergence.json").exists()

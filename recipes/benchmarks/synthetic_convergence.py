@@ -1,0 +1,273 @@
+"""Where sampling bias remains after training: proposals trained to convergence on a bigram model of the chain.
+
+The learning curves of ``recipes/large_vocab.py`` compare proposals long before convergence, where every
+sampled softmax trains about as well as the full one. The paper's gap (midx-rq 180.9 against unigram
+218.4 on WikiText-2) is measured at convergence, where what remains is the bias of the sampled objective:
+its optimum is not the full softmax's, and the closer Q is to the model's softmax, the closer the two
+optima. This benchmark reaches that regime on one CPU core: the model is a bigram model of the synthetic
+Zipf-Markov chain of ``recipes/synthetic.py`` (input embedding E (V, D), head W (V, D) and bias b (V,):
+logits = E[x] W^T + b), trained on fresh pairs (x_t, x_t+1) of the chain, with Adam and a cosine decay to
+zero, so that the end of every run is near the optimum of its own objective. The chain is first-order,
+so the optimal perplexity of any model is its entropy rate exp(H); a bigram model of rank D can reach it
+up to its rank.
+
+Every configuration (``--configs``) trains from the same initial weights on the same pairs (per seed):
+``full`` (the exact softmax), or a proposal as ``MidxLMHead`` builds it from a ``MidxConfig`` (the exact
+head of the H most frequent classes, M negatives per token, the estimator). The proposal is rebuilt from
+the head weight every ``--refresh_every`` steps. The exact test perplexity on held-out pairs is divided
+by exp(H), evaluated every ``--eval_every`` steps; the table gives the final ratio per seed, the paired
+difference of each proposal to unigram with the same head and estimator, and to the full softmax.
+
+Run: ``python recipes/benchmarks/synthetic_convergence.py --seeds 2 --out results/cpu-synthetic/convergence``
+(one CPU core: about 30 minutes per seed at the defaults, most of it the full softmax).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import hf_midx
+
+if __package__:
+    from . import common
+else:  # run as a file: this folder is first on sys.path
+    import common
+
+ZipfMarkovChain = common.import_recipe("synthetic").ZipfMarkovChain
+
+NAME = "synthetic_convergence"
+#: name -> MidxConfig fields (None: the full softmax). H = exact head; "paper": exact positive, no mixture.
+CONFIGS = {
+    "full": None,
+    "unigram H0": {"sampler": "unigram", "exact_head": 0},
+    "midx-rq H0": {"sampler": "midx-rq", "exact_head": 0},
+    "unigram H0 paper": {"sampler": "unigram", "exact_head": 0, "estimator": "exact-positive"},
+    "midx-rq H0 paper": {"sampler": "midx-rq", "exact_head": 0, "estimator": "exact-positive", "mix_weight": 0.0},
+    "unigram": {"sampler": "unigram"},
+    "midx-rq": {"sampler": "midx-rq"},
+}
+EVAL_CHUNK = 4096
+
+
+def parse_args(argv=None):
+    p = common.base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                   help="what to train: 'full', or a proposal (H0: no exact head; 'paper': the paper's estimator, "
+                   "exact positive, and no mixture; otherwise MidxConfig's defaults: exact head 2,048, mixture 0.5)")
+    p.add_argument("--seeds", type=int, default=1, help="seeds --seed .. --seed + N - 1 (init, pairs and draws)")
+    p.add_argument("--vocab_size", type=int, default=None, help="V of the chain (default 10,000; quick 5,000)")
+    p.add_argument("--dim", type=int, default=32, help="D: the rank of the bigram model")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 4,000; quick 600)")
+    p.add_argument("--batch", type=int, default=1024, help="pairs per step, fresh from the chain")
+    p.add_argument("--lr", type=float, default=1e-2,
+                   help="Adam's peak learning rate (warm-up over min(100, steps / 10) steps, then cosine to 0)")
+    p.add_argument("--num_samples", type=int, default=20, help="M negatives per token (the paper's 20)")
+    p.add_argument("--codebook_size", type=int, default=32, help="K of midx-rq (the paper's 32)")
+    p.add_argument("--refresh_every", type=int, default=100, help="rebuild the proposal from W every this many steps")
+    p.add_argument("--eval_every", type=int, default=None, help="evaluate every this many steps (default steps / 16)")
+    p.add_argument("--eval_pairs", type=int, default=None, help="held-out pairs (default 32,768; quick 8,192)")
+    args = common.parse(p, argv)
+    args.vocab_size = args.vocab_size or common.by_size(args, 500, 5_000, 10_000)
+    args.steps = args.steps or common.by_size(args, 40, 600, 4_000)
+    args.eval_pairs = args.eval_pairs or common.by_size(args, 1_024, 8_192, 32_768)
+    args.eval_every = args.eval_every or max(1, args.steps // 16)
+    if args.smoke:
+        args.dim, args.batch = min(args.dim, 16), min(args.batch, 256)
+    for name in ("seeds", "vocab_size", "dim", "steps", "batch", "num_samples", "codebook_size", "refresh_every",
+                 "eval_every", "eval_pairs"):  # fmt: skip
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.num_samples >= args.vocab_size // 2:
+        p.error(f"--num_samples {args.num_samples} must be below half of --vocab_size {args.vocab_size}")
+    if not args.lr > 0:
+        p.error(f"--lr must be positive, got {args.lr}")
+    return args
+
+
+def pairs(chain: ZipfMarkovChain, n: int, seed: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n,) int64 words x_t and (n,) int64 next words x_t+1, from the chain started at its stationary mu."""
+    block = torch.from_numpy(chain.sample_blocks(n, 2, seed=seed))
+    return block[:, 0].contiguous(), block[:, 1].contiguous()
+
+
+def test_nll(emb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Exact mean cross-entropy (nats) of the (N,) pairs, in chunks (no (N, V) tensor)."""
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, x.shape[0], EVAL_CHUNK):
+            logits = emb[x[i : i + EVAL_CHUNK]] @ weight.T + bias
+            total += float(F.cross_entropy(logits, y[i : i + EVAL_CHUNK], reduction="sum"))
+    return total / x.shape[0]
+
+
+def proposal(config: dict, weight: torch.Tensor, counts: torch.Tensor, args) -> tuple:
+    """(sampler, exact_ids, MidxConfig) of a configuration, as MidxLMHead builds them."""
+    cfg = hf_midx.MidxConfig(**config, num_samples=args.num_samples, codebook_size=args.codebook_size,
+                             seed=args.run_seed).for_vocabulary(weight.shape[0])  # fmt: skip
+    exact = None
+    if cfg.exact_head:
+        exact = torch.sort(torch.argsort(counts, descending=True, stable=True)[: cfg.exact_head]).values
+    sampler = hf_midx.build_sampler(cfg.sampler, weight, class_counts=counts, exclude=exact, **cfg.sampler_kwargs())
+    return sampler, exact, cfg
+
+
+def train(name: str, chain: ZipfMarkovChain, counts: torch.Tensor, held_out, optimum: float, args) -> dict:
+    """One configuration, one seed: the curve of test perplexity / optimum against steps and seconds."""
+    v, d, device = args.vocab_size, args.dim, args.torch_device
+    gen = torch.Generator().manual_seed(args.run_seed)
+    emb = (torch.randn(v, d, generator=gen) * 0.1).to(device).requires_grad_()
+    weight = (torch.randn(v, d, generator=gen) * 0.1).to(device).requires_grad_()
+    bias = torch.zeros(v, device=device, requires_grad=True)
+    opt = torch.optim.Adam([emb, weight, bias], lr=args.lr)
+    warmup = min(100, args.steps // 10)
+
+    def lr_at(step: int) -> float:  # step in [0, steps)
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    config = CONFIGS[name]
+    sampler = exact = cfg = None
+    if config is not None:
+        sampler, exact, cfg = proposal(config, weight.detach(), counts, args)
+    x_test, y_test = held_out
+    curve = [{"step": 0, "seconds": 0.0, "ratio": math.exp(test_nll(emb, weight, bias, x_test, y_test)) / optimum}]
+    seconds = 0.0
+    for step in range(args.steps):
+        started = time.perf_counter()
+        if sampler is not None and step and step % args.refresh_every == 0:
+            sampler.refresh(weight.detach())
+        x, y = pairs(chain, args.batch, [args.run_seed, 1, step])  # the same pairs for every configuration
+        x, y = x.to(device), y.to(device)
+        h = emb[x]
+        if sampler is None:
+            loss = F.cross_entropy(h @ weight.T + bias, y)
+        else:
+            loss = hf_midx.sampled_softmax_loss(
+                h, weight, y, sampler, cfg.num_samples, bias=bias, estimator=cfg.estimator, exact_ids=exact,
+                check_labels=False,
+            )  # fmt: skip
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        common.sync(device)
+        seconds += time.perf_counter() - started
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            nll = test_nll(emb, weight, bias, x_test, y_test)
+            if not math.isfinite(nll):
+                raise SystemExit(f"{name}, seed {args.run_seed}: the test loss is {nll} at step {step + 1}.")
+            curve.append({"step": step + 1, "seconds": seconds, "ratio": math.exp(nll) / optimum})
+    print(f"  {name:18s} seed {args.run_seed}: ratio {curve[-1]['ratio']:.4f} ({seconds:.0f} s)", flush=True)
+    return {"config": name, "seed": args.run_seed, "ratio": curve[-1]["ratio"], "seconds": seconds,
+            "best_ratio": min(p["ratio"] for p in curve), "curve": curve}  # fmt: skip
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per configuration: final ratios per seed, mean +- sd, paired % to unigram (same H and estimator) and full."""
+    by: dict[str, dict[int, dict]] = {}
+    for r in runs:
+        by.setdefault(r["config"], {})[r["seed"]] = r
+    rows = []
+    for name in (c for c in CONFIGS if c in by):
+        seeds = sorted(by[name])
+        ratios = [by[name][s]["ratio"] for s in seeds]
+        row = {"config": name, "seeds": seeds, "ratio": ratios, "mean": statistics.fmean(ratios),
+               "sd": statistics.stdev(ratios) if len(ratios) > 1 else None,
+               "seconds": statistics.fmean(by[name][s]["seconds"] for s in seeds)}  # fmt: skip
+        for key, ref in (("unigram", name.replace("midx-rq", "unigram")), ("full", "full")):
+            if ref == name or ref not in by:
+                continue
+            diffs = [100 * (by[name][s]["ratio"] / by[ref][s]["ratio"] - 1) for s in seeds if s in by[ref]]
+            if diffs:
+                row[f"vs_{key}_pct"] = diffs
+                row[f"vs_{key}_mean"] = statistics.fmean(diffs)
+                row[f"vs_{key}_sd"] = statistics.stdev(diffs) if len(diffs) > 1 else None
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict], settings: dict, env: dict, optimum: float, oracle: float) -> str:
+    def paired(key):
+        def cell(r):
+            if f"vs_{key}_pct" not in r:
+                return "-"
+            sd = r[f"vs_{key}_sd"]
+            mean = "" if sd is None else f" (mean {r[f'vs_{key}_mean']:+.2f}% +- {sd:.2f})"
+            return ", ".join(f"{x:+.2f}%" for x in r[f"vs_{key}_pct"]) + mean
+
+        return cell
+
+    columns = [
+        ("configuration", "config"), ("seeds", lambda r: ", ".join(map(str, r["seeds"]))),
+        ("test ppl / optimum, per seed", lambda r: ", ".join(f"{x:.4f}" for x in r["ratio"])),
+        ("mean +- sd", lambda r: f"{r['mean']:.4f}" + ("" if r["sd"] is None else f" +- {r['sd']:.4f}")),
+        ("vs unigram (same H, estimator), paired", paired("unigram")), ("vs full, paired", paired("full")),
+        ("training s", lambda r: f"{r['seconds']:.0f}"),
+    ]  # fmt: skip
+    note = (
+        f"Optimal perplexity exp(H) = {optimum:.2f}; the true chain scores {oracle:.2f} on the held-out pairs "
+        f"({oracle / optimum:.4f} x). Bigram model of rank D = {settings['dim']}, {settings['steps']:,} steps of "
+        f"{settings['batch']:,} fresh pairs, Adam (peak lr {settings['lr']:g}, cosine to 0); M = "
+        f"{settings['num_samples']}, K = {settings['codebook_size']}, refresh every {settings['refresh_every']} steps."
+    )
+    return common.report(f"{NAME}: V = {settings['vocab_size']:,}", env, settings, note, "",
+                         common.markdown_table(rows, columns))  # fmt: skip
+
+
+def plot(runs: list[dict], args) -> None:
+    plt = common.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    colors = {name: f"C{i}" for i, name in enumerate(CONFIGS)}
+    for ax, x, xlabel in ((axes[0], "step", "training step"), (axes[1], "seconds", "training wall-clock, s")):
+        for i, r in enumerate(runs):
+            first = r["seed"] == args.seed
+            ax.plot([p[x] for p in r["curve"]], [p["ratio"] for p in r["curve"]], color=colors[r["config"]],
+                    alpha=0.8, label=r["config"] if first else None)  # fmt: skip
+        ax.set(xlabel=xlabel, ylabel="test perplexity / optimum", yscale="log")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    # The end of the curves, where the bias shows: zoom on the last half of the steps.
+    tail = [p["ratio"] for r in runs for p in r["curve"] if p["step"] >= args.steps // 2]
+    if tail:
+        axes[0].set_ylim(min(tail) * 0.995, max(tail) * 1.005)
+        axes[0].set_xlim(args.steps // 2, args.steps)
+    fig.suptitle(f"bigram model of the synthetic chain, V = {args.vocab_size:,}, D = {args.dim}")
+    common.save_figure(fig, args.out, f"{NAME}.png")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = args.torch_device = common.resolve_device(args.device)
+    env, settings = common.start(NAME, args, device, **{k: getattr(args, k) for k in (
+        "configs", "seeds", "vocab_size", "dim", "steps", "batch", "lr", "num_samples", "codebook_size",
+        "refresh_every", "eval_every", "eval_pairs")})  # fmt: skip
+    chain = ZipfMarkovChain(args.vocab_size, seed=0)
+    optimum = chain.entropy_rate_perplexity()
+    # The proposal's class counts: what the run's pairs give in expectation (mu times the tokens seen).
+    counts = torch.from_numpy(np.round(chain.mu * args.steps * args.batch)).to(device, torch.int64)
+    held_out = pairs(chain, args.eval_pairs, [10_000 + args.seed, 2])
+    oracle = math.exp(-float(chain.log_prob(torch.stack(held_out, 1).numpy()).mean()))
+    held_out = tuple(t.to(device) for t in held_out)
+    runs = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        args.run_seed = seed
+        runs += [train(name, chain, counts, held_out, optimum, args) for name in args.configs]
+        rows = summarize(runs)
+        md = markdown(rows, settings, env, optimum, oracle)
+        if seed + 1 < args.seed + args.seeds:  # a long run keeps the seeds done so far if it is stopped
+            common.write_outputs(args.out, NAME, {"benchmark": NAME, "settings": settings, "environment": env,
+                                                  "partial": True, "summary": rows, "runs": runs}, md)  # fmt: skip
+    return common.finish(args, NAME, env, settings, md, plot=lambda: plot(runs, args), optimum=optimum,
+                         oracle_test_perplexity=oracle, summary=rows, runs=runs)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
