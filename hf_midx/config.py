@@ -98,8 +98,13 @@ class MidxConfig:
             "help": f"K-means implementation: one of {KMEANS_BACKENDS} ('faiss' needs pip install 'hf-midx[faiss]')."
         },
     )
-    remove_accidental_hits: bool = field(
-        default=True, metadata={"help": "Drop a sampled negative that equals the token's own label."}
+    remove_accidental_hits: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Drop a sampled negative that equals the token's own label. None (default): what keeps the "
+            "estimator unbiased: dropped with estimator='exact-positive', kept with 'corrected-positive' (dropping "
+            "it there biases the loss toward the labels the proposal draws often)."
+        },
     )
     estimator: str = field(
         default="corrected-positive",
@@ -191,7 +196,11 @@ class MidxConfig:
         self._check_int("kmeans_iters", 0)
         if self.kmeans_backend not in KMEANS_BACKENDS:
             raise ValueError(f"kmeans_backend must be one of {KMEANS_BACKENDS}, got {self.kmeans_backend!r}.")
-        self._check_bool("remove_accidental_hits")
+        if self.remove_accidental_hits is not None and not isinstance(self.remove_accidental_hits, bool):
+            raise ValueError(
+                f"remove_accidental_hits must be True, False or None (the estimator's choice), "
+                f"got {self.remove_accidental_hits!r}."
+            )
         self._check_int("seed", 0)
         if not isinstance(self.sampler_options, dict):
             raise ValueError(

@@ -10,7 +10,14 @@ For token t with label y, negatives j ~ Q(. | z_t) over the classes outside H, a
                          o_y in both places and n = M + 1 (Jean et al. 2015; TensorFlow's sampled_softmax_loss)
 
 With H empty the first form is the paper's estimator (the sum estimates the partition function
-without bias, the positive exact); the second is invariant to n and to the normalization of Q. With
+without bias, the positive exact); the second is invariant to n and to the normalization of Q.
+
+Accidental hits (a negative equal to the label) are dropped from the first form's sum, which then
+estimates the partition function without the label's term, and kept in the second: there the sum over
+the candidates is a self-normalized importance-sampling estimate of Z in which a draw of the label is
+an ordinary term, and dropping it biases Z low by about the label's share of Q, so that the label's
+probability reads too high. That bias grows as Q approaches the model's softmax, and it is what kept
+MIDX behind unigram without an exact head (``recipes/benchmarks/synthetic_convergence.py``). With
 H the n-scaled tail estimate adds to the exact head mass, so the proposal only has to estimate the
 tail's share of the partition function. Neither path ever builds a (T, V) tensor, and the training
 path reads nothing back to the host: ignored tokens are masked, not removed, so every shape is known
@@ -129,6 +136,14 @@ def _reduce(per_token: torch.Tensor, valid: torch.Tensor, reduction: str) -> tor
     return total / valid.sum().clamp_min(1)
 
 
+def drops_accidental_hits(remove_accidental_hits: bool | None, estimator: str) -> bool:
+    """Whether the loss drops a negative equal to the label: the setting, or for None the estimator's
+    unbiased choice (True for "exact-positive", False for "corrected-positive"; see the module docstring)."""
+    if remove_accidental_hits is None:
+        return estimator == "exact-positive"
+    return remove_accidental_hits
+
+
 def sampled_softmax_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -139,7 +154,7 @@ def sampled_softmax_loss(
     bias: torch.Tensor | None = None,
     negatives: str = "per-query",
     ignore_index: int = -100,
-    remove_accidental_hits: bool = True,
+    remove_accidental_hits: bool | None = None,
     reduction: str = "mean",
     logit_softcap: float | None = None,
     generator: torch.Generator | None = None,
@@ -161,7 +176,9 @@ def sampled_softmax_loss(
             (one pool of P draws from the mixture qbar of the non-ignored tokens' proposals, scored
             by every token in one matmul; corrected by log(P * qbar)).
         ignore_index: label value that contributes nothing.
-        remove_accidental_hits: drop a negative equal to the token's label from the sum.
+        remove_accidental_hits: drop a negative equal to the token's label from the sum. None (the
+            default): :func:`drops_accidental_hits` of the estimator (dropped with "exact-positive",
+            kept with "corrected-positive"; see the module docstring).
         reduction: "mean" over non-ignored tokens, "sum", or "none" ((T,), zeros at ignored tokens).
         logit_softcap: if set, logits become ``cap * tanh(o / cap)`` (Gemma-2) before correction.
         generator: optional RNG for the draws; defaults to the sampler's own.
@@ -262,7 +279,7 @@ def sampled_softmax_loss(
         pos_term = pos
         target = pos
     neg = neg - (n.log().unsqueeze(1) + log_q)
-    if remove_accidental_hits:
+    if drops_accidental_hits(remove_accidental_hits, estimator):
         neg = neg.masked_fill(hits, -math.inf)
     pos_term = pos_term.masked_fill(in_head, -math.inf)
     terms = torch.cat([head, pos_term.unsqueeze(1), neg], dim=1)

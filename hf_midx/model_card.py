@@ -22,6 +22,7 @@ from typing import Any
 
 from ._io import atomic_write
 from .config import EXACT_HEAD_FRACTION, MidxConfig
+from .loss import drops_accidental_hits
 from .version import __version__, versions
 
 
@@ -120,7 +121,7 @@ def midx_training_facts(
             else "in one pool shared by the batch (drawn from the batch's mixture proposal)"
         ),
         "negatives_short": "per token" if config.negatives == "per-query" else "shared by each batch",
-        "remove_accidental_hits": config.remove_accidental_hits,
+        "remove_accidental_hits": drops_accidental_hits(config.remove_accidental_hits, config.estimator),
         "estimator": config.estimator,
         # The value in use: a head of V classes scores at most V / 8 exactly (MidxConfig.for_vocabulary).
         "exact_head": min(config.exact_head, num_classes // EXACT_HEAD_FRACTION) if num_classes else config.exact_head,

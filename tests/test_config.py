@@ -23,7 +23,7 @@ def test_defaults_are_valid_and_documented():
     assert config.negatives == "per-query" and config.codebooks == "kmeans"
     assert config.refresh_every_steps == 0 and config.refresh_every_epoch is True
     assert config.kmeans_iters == 20 and config.kmeans_backend == "torch"
-    assert config.remove_accidental_hits is True and config.seed == 0 and config.sampler_options == {}
+    assert config.remove_accidental_hits is None and config.seed == 0 and config.sampler_options == {}
     assert config.codebook_learning_rate == 1e-3 and config.kl_weight == 1.0 and config.kl_queries == 64
     assert config.log_kl is True
     assert config.estimator == "corrected-positive" and config.exact_head == 2048
@@ -59,7 +59,7 @@ def test_every_registered_sampler_is_accepted(name):
         (dict(refresh_every_epoch="yes"), "refresh_every_epoch must be True or False"),
         (dict(kmeans_iters=-1), "kmeans_iters"),
         (dict(kmeans_backend="sklearn"), "kmeans_backend must be one of"),
-        (dict(remove_accidental_hits=1), "remove_accidental_hits must be True or False"),
+        (dict(remove_accidental_hits=1), "remove_accidental_hits must be True, False or None"),
         (dict(seed=-1), "seed must be an integer >= 0"),
         (dict(sampler_options=["lsh_bits"]), "sampler_options must be a dict"),
         (dict(sampler_options={"lsh_bitz": 4}), r"Unknown sampler option\(s\) \['lsh_bitz'\]; known options: "),

@@ -407,8 +407,12 @@ def test_frozen_weight_gets_no_gradient_and_hidden_does():
 
 # ------------------------------------------------------------------------------------------ estimators, exact head
 def general_reference(hidden, weight, labels, ids, log_q, log_q_of, *, bias=None, shared=False, exact_ids=None,
-                      estimator="exact-positive", remove=True, reduction="mean"):
-    """Both estimators with an optional exact head, token by token in float64 from the full logits."""
+                      estimator="exact-positive", remove=None, reduction="mean"):
+    """Both estimators with an optional exact head, token by token in float64 from the full logits.
+
+    ``remove`` None: the loss's default, accidental hits dropped with exact-positive only."""
+    if remove is None:
+        remove = estimator == "exact-positive"
     valid = labels != -100
     logits = hidden.double() @ weight.double().t()
     if bias is not None:
@@ -556,3 +560,40 @@ def test_candidate_logits_gradients_match_autograd_through_a_gather(dtype):
 def _tol(dtype):
     # bf16 keeps 8 bits of mantissa: sums of ~10 products carry ~1e-2 relative error.
     return {"rtol": 2e-2, "atol": 5e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+
+
+# ------------------------------------------------------------------------------------------ accidental hits
+@pytest.mark.parametrize("remove", [None, True])
+def test_corrected_positive_keeps_accidental_hits_and_is_then_unbiased(remove):
+    """With Q the model's own softmax (midx-exact, Theorem 1) every corrected candidate logit is log Z - log n,
+    so the expected hidden-state gradient is M / (M + 1) times the full softmax's, W^T p - w_y: the default
+    (None: hits kept with corrected-positive) has it, within 5 standard errors over 4,000 tokens. Dropping
+    the label's draws (True) leaves fewer candidates than n and overweights the label: far from it."""
+    g = torch.Generator().manual_seed(0)
+    v, d, m, t = 40, 6, 10, 4000
+    weight = torch.randn(v, d, generator=g)
+    z = torch.randn(d, generator=g) * 1.5
+    p = torch.softmax(weight @ z, 0)
+    y = int(p.argmax())  # a label Q draws often: the case where dropping its draws matters
+    assert p[y] > 0.2
+    sampler = build_sampler("midx-exact", weight, codebook_size=4, seed=0)
+    hidden = z.expand(t, d).clone().requires_grad_()
+    labels = torch.full((t,), y)
+    loss = sampled_softmax_loss(hidden, weight, labels, sampler, m, reduction="sum", remove_accidental_hits=remove,
+                                generator=torch.Generator().manual_seed(1))  # fmt: skip
+    (grad,) = torch.autograd.grad(loss, hidden)  # (T, D): one independent draw per token
+    expected = m / (m + 1) * (weight.t() @ p - weight[y])
+    z_scores = (grad.mean(0) - expected) / (grad.std(0) / math.sqrt(t))
+    if remove is None:
+        assert z_scores.abs().max() < 5, z_scores
+    else:
+        assert z_scores.abs().max() > 20, z_scores
+
+
+def test_exact_positive_drops_accidental_hits_by_default():
+    hidden, weight, _, labels = _inputs(bias=False)
+    ids, log_q = _draws(labels.shape[0], 8, labels=labels)
+    sampler = FixedDraws(V, D, ids, log_q)
+    default = sampled_softmax_loss(hidden, weight, labels, sampler, 8, reduction="none", estimator="exact-positive")
+    ref = reference_loss(hidden, weight, labels, ids, log_q, reduction="none", remove_accidental_hits=True)
+    torch.testing.assert_close(default.double(), ref, atol=1e-5, rtol=1e-5)

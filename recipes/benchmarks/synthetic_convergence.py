@@ -42,7 +42,8 @@ else:  # run as a file: this folder is first on sys.path
 ZipfMarkovChain = common.import_recipe("synthetic").ZipfMarkovChain
 
 NAME = "synthetic_convergence"
-#: name -> MidxConfig fields (None: the full softmax). H = exact head; "paper": exact positive, no mixture.
+#: name -> MidxConfig fields (None: the full softmax). H0: no exact head; "paper": exact positive, no mixture;
+#: "drop-hits": corrected positive with accidental hits dropped.
 CONFIGS = {
     "full": None,
     "unigram H0": {"sampler": "unigram", "exact_head": 0},
@@ -51,6 +52,9 @@ CONFIGS = {
     "midx-rq H0 paper": {"sampler": "midx-rq", "exact_head": 0, "estimator": "exact-positive", "mix_weight": 0.0},
     "unigram": {"sampler": "unigram"},
     "midx-rq": {"sampler": "midx-rq"},
+    # The corrected-positive estimator with the label's draws dropped: the bias remove_accidental_hits=None avoids.
+    "unigram H0 drop-hits": {"sampler": "unigram", "exact_head": 0, "remove_accidental_hits": True},
+    "midx-rq H0 drop-hits": {"sampler": "midx-rq", "exact_head": 0, "remove_accidental_hits": True},
 }
 EVAL_CHUNK = 4096
 
@@ -59,7 +63,8 @@ def parse_args(argv=None):
     p = common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
                    help="what to train: 'full', or a proposal (H0: no exact head; 'paper': the paper's estimator, "
-                   "exact positive, and no mixture; otherwise MidxConfig's defaults: exact head 2,048, mixture 0.5)")
+                   "exact positive, and no mixture; 'drop-hits': accidental hits dropped from the corrected-positive "
+                   "estimator; otherwise MidxConfig's defaults: exact head 2,048, mixture 0.5)")
     p.add_argument("--seeds", type=int, default=1, help="seeds --seed .. --seed + N - 1 (init, pairs and draws)")
     p.add_argument("--vocab_size", type=int, default=None, help="V of the chain (default 10,000; quick 5,000)")
     p.add_argument("--dim", type=int, default=32, help="D: the rank of the bigram model")
@@ -152,7 +157,7 @@ def train(name: str, chain: ZipfMarkovChain, counts: torch.Tensor, held_out, opt
         else:
             loss = hf_midx.sampled_softmax_loss(
                 h, weight, y, sampler, cfg.num_samples, bias=bias, estimator=cfg.estimator, exact_ids=exact,
-                check_labels=False,
+                remove_accidental_hits=cfg.remove_accidental_hits, check_labels=False,
             )  # fmt: skip
         opt.zero_grad(set_to_none=True)
         loss.backward()
