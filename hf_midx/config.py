@@ -110,8 +110,9 @@ class MidxConfig:
         default="corrected-positive",
         metadata={
             "help": f"How the label's logit enters the sampled softmax; one of {ESTIMATORS}. 'exact-positive': "
-            "as is (the paper); 'corrected-positive' (default): the label is one more candidate corrected by its "
-            "own log q (Jean et al. 2015, TensorFlow, the paper's reference code)."
+            "as is (the paper's text; trained long without an exact head it settles far from the full softmax's "
+            "optimum, see synthetic_convergence.py); 'corrected-positive' (default): the label is one more "
+            "candidate corrected by its own log q (Jean et al. 2015, TensorFlow, the paper's reference code)."
         },
     )
     exact_head: int = field(
