@@ -239,8 +239,10 @@ def plot(runs: list[dict], args) -> None:
         ax.set(xlabel=xlabel, ylabel="test perplexity / optimum", yscale="log")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    # The end of the curves, where the bias shows: zoom on the last half of the steps.
-    tail = [p["ratio"] for r in runs for p in r["curve"] if p["step"] >= args.steps // 2]
+    # The end of the curves, where the bias shows: zoom on the last half of the steps, on the runs that end
+    # within 1.5x of the best (a diverging estimator would flatten the others).
+    best = min(r["ratio"] for r in runs)
+    tail = [p["ratio"] for r in runs if r["ratio"] < 1.5 * best for p in r["curve"] if p["step"] >= args.steps // 2]
     if tail:
         axes[0].set_ylim(min(tail) * 0.995, max(tail) * 1.005)
         axes[0].set_xlim(args.steps // 2, args.steps)
