@@ -597,3 +597,10 @@ def test_exact_positive_drops_accidental_hits_by_default():
     default = sampled_softmax_loss(hidden, weight, labels, sampler, 8, reduction="none", estimator="exact-positive")
     ref = reference_loss(hidden, weight, labels, ids, log_q, reduction="none", remove_accidental_hits=True)
     torch.testing.assert_close(default.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_remove_accidental_hits_must_be_a_bool_or_none():
+    hidden, weight, _, labels = _inputs(bias=False)
+    ids, log_q = _draws(labels.shape[0], 8, labels=labels)
+    with pytest.raises(ValueError, match="remove_accidental_hits must be True, False or None"):
+        sampled_softmax_loss(hidden, weight, labels, FixedDraws(V, D, ids, log_q), 8, remove_accidental_hits="yes")
