@@ -298,6 +298,21 @@ def test_synthetic_convergence(tmp_path):
     # The chain's own perplexity on the held-out pairs is near its entropy rate (a sample of 1,024 pairs).
     assert 0.85 < p["oracle_test_perplexity"] / p["optimum"] < 1.15
 
+    # Seeds run in separate processes and merged give the table of the single process.
+    for seed in (0, 1):
+        run_bench("synthetic_convergence", tmp_path / f"s{seed}", "--seed", str(seed), "--configs", *configs[1:3])
+    files = [str(tmp_path / f"s{seed}" / "synthetic_convergence.json") for seed in (1, 0)]
+    merged = run_bench("synthetic_convergence", tmp_path / "merged", "--merge", *files)
+    assert_pngs(tmp_path / "merged", "synthetic_convergence.png")
+    assert [(r["config"], r["seed"]) for r in merged["runs"]] == [(c, s) for s in (0, 1) for c in configs[1:3]]
+    for r in merged["runs"]:  # the same training (the seconds are timings: not compared)
+        ref = runs[(r["config"], r["seed"])]["curve"]
+        assert [(q["step"], q["ratio"]) for q in r["curve"]] == [(q["step"], q["ratio"]) for q in ref]
+    merged_rows = {row["config"]: row for row in merged["summary"]}
+    assert merged_rows["midx-rq H0"]["vs_unigram_pct"] == pytest.approx(expected, rel=1e-12)
+    assert [s["seeds"] for s in merged["settings"]["merged_from"]] == [[1], [0]]
+    assert merged["optimum"] == p["optimum"] and merged["oracle_test_perplexity"] == p["oracle_test_perplexity"]
+
 
 def test_synthetic_convergence_refuses_impossible_sizes(tmp_path):
     script = [sys.executable, str(BENCH / "synthetic_convergence.py"), "--smoke", "--out", str(tmp_path)]
@@ -305,3 +320,22 @@ def test_synthetic_convergence_refuses_impossible_sizes(tmp_path):
                           timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "--num_samples 400 must be below half of --vocab_size 500" in proc.stderr
     assert not (tmp_path / "synthetic_convergence.json").exists()
+
+
+def test_synthetic_convergence_merge_refuses_mismatched_runs(tmp_path):
+    """--merge refuses a run tabled twice and runs of other settings, naming the file and the setting."""
+    script = [sys.executable, str(BENCH / "synthetic_convergence.py"), "--smoke", "--out", str(tmp_path / "out")]
+    payload = {"benchmark": "synthetic_convergence", "environment": {"git": {"commit": "abc"}},
+               "settings": {"vocab_size": 500, "dim": 16, "steps": 40, "batch": 256, "lr": 0.01, "num_samples": 20,
+                            "codebook_size": 32, "refresh_every": 100, "eval_pairs": 1024, "eval_every": 2},
+               "runs": [{"config": "unigram H0", "seed": 0, "ratio": 1.5, "seconds": 1.0, "curve": []}]}  # fmt: skip
+    a, b, c = (tmp_path / f"{x}.json" for x in "abc")
+    a.write_text(json.dumps(payload))
+    b.write_text(json.dumps({**payload, "settings": {**payload["settings"], "steps": 80}}))
+    c.write_text("{not json")
+    for files, message in (([a, a], "unigram H0 seed 0 is in both"), ([a, b], "steps = 80 where"),
+                           ([c], "not a synthetic_convergence.json output")):  # fmt: skip
+        proc = subprocess.run([*script, "--merge", *map(str, files)], capture_output=True, text=True,
+                              env=offline_env(), timeout=120)  # fmt: skip
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()

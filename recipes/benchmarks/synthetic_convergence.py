@@ -19,14 +19,18 @@ by exp(H), evaluated every ``--eval_every`` steps; the table gives the final rat
 difference of each proposal to unigram with the same head and estimator, and to the full softmax.
 
 Run: ``python recipes/benchmarks/synthetic_convergence.py --seeds 2 --out results/cpu-synthetic/convergence``
-(one CPU core: about 30 minutes per seed at the defaults, most of it the full softmax).
+(one CPU core: about 30 minutes per seed at the defaults, most of it the full softmax). Seeds run in separate
+processes (one per core, ``--seed S --out DIR_S``) are tabled together with ``--merge DIR_0/... DIR_1/...``:
+the held-out pairs do not depend on the seed, so a merged table is the one a single process would give.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -57,6 +61,9 @@ CONFIGS = {
     "midx-rq H0 drop-hits": {"sampler": "midx-rq", "exact_head": 0, "remove_accidental_hits": True},
 }
 EVAL_CHUNK = 4096
+#: Settings that must agree for runs to share a table (--merge).
+MERGE_KEYS = ("vocab_size", "dim", "steps", "batch", "lr", "num_samples", "codebook_size", "refresh_every",
+              "eval_pairs")  # fmt: skip
 
 
 def parse_args(argv=None):
@@ -77,6 +84,9 @@ def parse_args(argv=None):
     p.add_argument("--refresh_every", type=int, default=100, help="rebuild the proposal from W every this many steps")
     p.add_argument("--eval_every", type=int, default=None, help="evaluate every this many steps (default steps / 16)")
     p.add_argument("--eval_pairs", type=int, default=None, help="held-out pairs (default 32,768; quick 8,192)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="train nothing: table the runs of these synthetic_convergence.json files together (for "
+                   "example seeds run in parallel processes); their settings must agree")
     args = common.parse(p, argv)
     args.vocab_size = args.vocab_size or common.by_size(args, 500, 5_000, 10_000)
     args.steps = args.steps or common.by_size(args, 40, 600, 4_000)
@@ -111,10 +121,10 @@ def test_nll(emb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, x: tor
     return total / x.shape[0]
 
 
-def proposal(config: dict, weight: torch.Tensor, counts: torch.Tensor, args) -> tuple:
+def proposal(config: dict, weight: torch.Tensor, counts: torch.Tensor, seed: int, args) -> tuple:
     """(sampler, exact_ids, MidxConfig) of a configuration, as MidxLMHead builds them."""
     cfg = hf_midx.MidxConfig(**config, num_samples=args.num_samples, codebook_size=args.codebook_size,
-                             seed=args.run_seed).for_vocabulary(weight.shape[0])  # fmt: skip
+                             seed=seed).for_vocabulary(weight.shape[0])  # fmt: skip
     exact = None
     if cfg.exact_head:
         exact = torch.sort(torch.argsort(counts, descending=True, stable=True)[: cfg.exact_head]).values
@@ -122,10 +132,11 @@ def proposal(config: dict, weight: torch.Tensor, counts: torch.Tensor, args) -> 
     return sampler, exact, cfg
 
 
-def train(name: str, chain: ZipfMarkovChain, counts: torch.Tensor, held_out, optimum: float, args) -> dict:
+def train(name: str, seed: int, chain: ZipfMarkovChain, counts: torch.Tensor, held_out, optimum: float,
+          device: torch.device, args) -> dict:  # fmt: skip
     """One configuration, one seed: the curve of test perplexity / optimum against steps and seconds."""
-    v, d, device = args.vocab_size, args.dim, args.torch_device
-    gen = torch.Generator().manual_seed(args.run_seed)
+    v, d = args.vocab_size, args.dim
+    gen = torch.Generator().manual_seed(seed)
     emb = (torch.randn(v, d, generator=gen) * 0.1).to(device).requires_grad_()
     weight = (torch.randn(v, d, generator=gen) * 0.1).to(device).requires_grad_()
     bias = torch.zeros(v, device=device, requires_grad=True)
@@ -141,7 +152,7 @@ def train(name: str, chain: ZipfMarkovChain, counts: torch.Tensor, held_out, opt
     config = CONFIGS[name]
     sampler = exact = cfg = None
     if config is not None:
-        sampler, exact, cfg = proposal(config, weight.detach(), counts, args)
+        sampler, exact, cfg = proposal(config, weight.detach(), counts, seed, args)
     x_test, y_test = held_out
     curve = [{"step": 0, "seconds": 0.0, "ratio": math.exp(test_nll(emb, weight, bias, x_test, y_test)) / optimum}]
     seconds = 0.0
@@ -149,7 +160,7 @@ def train(name: str, chain: ZipfMarkovChain, counts: torch.Tensor, held_out, opt
         started = time.perf_counter()
         if sampler is not None and step and step % args.refresh_every == 0:
             sampler.refresh(weight.detach())
-        x, y = pairs(chain, args.batch, [args.run_seed, 1, step])  # the same pairs for every configuration
+        x, y = pairs(chain, args.batch, [seed, 1, step])  # the same pairs for every configuration
         x, y = x.to(device), y.to(device)
         h = emb[x]
         if sampler is None:
@@ -168,10 +179,10 @@ def train(name: str, chain: ZipfMarkovChain, counts: torch.Tensor, held_out, opt
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             nll = test_nll(emb, weight, bias, x_test, y_test)
             if not math.isfinite(nll):
-                raise SystemExit(f"{name}, seed {args.run_seed}: the test loss is {nll} at step {step + 1}.")
+                raise SystemExit(f"{name}, seed {seed}: the test loss is {nll} at step {step + 1}.")
             curve.append({"step": step + 1, "seconds": seconds, "ratio": math.exp(nll) / optimum})
-    print(f"  {name:18s} seed {args.run_seed}: ratio {curve[-1]['ratio']:.4f} ({seconds:.0f} s)", flush=True)
-    return {"config": name, "seed": args.run_seed, "ratio": curve[-1]["ratio"], "seconds": seconds,
+    print(f"  {name:18s} seed {seed}: ratio {curve[-1]['ratio']:.4f} ({seconds:.0f} s)", flush=True)
+    return {"config": name, "seed": seed, "ratio": curve[-1]["ratio"], "seconds": seconds,
             "best_ratio": min(p["ratio"] for p in curve), "curve": curve}  # fmt: skip
 
 
@@ -232,10 +243,12 @@ def plot(runs: list[dict], args) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     colors = {name: f"C{i}" for i, name in enumerate(CONFIGS)}
     for ax, x, xlabel in ((axes[0], "step", "training step"), (axes[1], "seconds", "training wall-clock, s")):
-        for i, r in enumerate(runs):
-            first = r["seed"] == args.seed
+        labelled = set()
+        for r in runs:
+            label = None if r["config"] in labelled else r["config"]
+            labelled.add(r["config"])
             ax.plot([p[x] for p in r["curve"]], [p["ratio"] for p in r["curve"]], color=colors[r["config"]],
-                    alpha=0.8, label=r["config"] if first else None)  # fmt: skip
+                    alpha=0.8, label=label)  # fmt: skip
         ax.set(xlabel=xlabel, ylabel="test perplexity / optimum", yscale="log")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -250,28 +263,74 @@ def plot(runs: list[dict], args) -> None:
     common.save_figure(fig, args.out, f"{NAME}.png")
 
 
+def load_runs(paths: list[str]) -> tuple[list[dict], dict, dict, list[dict]]:
+    """The runs of several outputs of this benchmark, checked to share a chain and training settings;
+    returns (runs, the first file's settings, its environment, one source entry per file)."""
+    runs, sources, first, seen = [], [], None, {}
+    for path in paths:
+        try:
+            payload = json.loads(Path(path).read_text())
+            settings, env, file_runs = payload["settings"], payload["environment"], payload["runs"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise SystemExit(f"--merge {path}: not a {NAME}.json output ({err}).") from None
+        if payload.get("benchmark") != NAME:
+            raise SystemExit(f"--merge {path}: written by {payload.get('benchmark')!r}, not {NAME}.")
+        if first is None:
+            first = (settings, env)
+        for key in MERGE_KEYS:
+            if settings.get(key) != first[0].get(key):
+                raise SystemExit(f"--merge {path}: {key} = {settings.get(key)} where {paths[0]} has "
+                                 f"{first[0].get(key)}; only runs of the same settings share a table.")  # fmt: skip
+        for r in file_runs:
+            if r["config"] not in CONFIGS:
+                raise SystemExit(f"--merge {path}: unknown configuration {r['config']!r}.")
+            key = (r["config"], r["seed"])
+            if key in seen:
+                raise SystemExit(f"--merge: {r['config']} seed {r['seed']} is in both {seen[key]} and {path}.")
+            seen[key] = path
+            runs.append(r)
+        git = env.get("git", {})
+        seeds = sorted({r["seed"] for r in file_runs})
+        sources.append({"file": str(path), "commit": git.get("commit"), "dirty": git.get("dirty"),
+                        "timestamp": env.get("timestamp"), "seeds": seeds})  # fmt: skip
+    return runs, first[0], first[1], sources
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device = args.torch_device = common.resolve_device(args.device)
-    env, settings = common.start(NAME, args, device, **{k: getattr(args, k) for k in (
-        "configs", "seeds", "vocab_size", "dim", "steps", "batch", "lr", "num_samples", "codebook_size",
-        "refresh_every", "eval_every", "eval_pairs")})  # fmt: skip
+    device = common.resolve_device(args.device)
+    if args.merge:
+        runs, trained, env, sources = load_runs(args.merge)
+        for key in (*MERGE_KEYS, "eval_every"):  # the table's note and the plot describe the merged runs
+            setattr(args, key, trained[key])
+        settings = {**trained, "configs": [c for c in CONFIGS if any(r["config"] == c for r in runs)],
+                    "seeds": len({r["seed"] for r in runs}), "merged_from": sources}  # fmt: skip
+        common.print_header(NAME, env, settings)
+    else:
+        env, settings = common.start(NAME, args, device, **{k: getattr(args, k) for k in (
+            "configs", "seeds", "vocab_size", "dim", "steps", "batch", "lr", "num_samples", "codebook_size",
+            "refresh_every", "eval_every", "eval_pairs")})  # fmt: skip
     chain = ZipfMarkovChain(args.vocab_size, seed=0)
     optimum = chain.entropy_rate_perplexity()
-    # The proposal's class counts: what the run's pairs give in expectation (mu times the tokens seen).
-    counts = torch.from_numpy(np.round(chain.mu * args.steps * args.batch)).to(device, torch.int64)
-    held_out = pairs(chain, args.eval_pairs, [10_000 + args.seed, 2])
+    # The same held-out pairs for every seed, so that seeds run in separate processes can share a table.
+    held_out = pairs(chain, args.eval_pairs, [10_000, 2])
     oracle = math.exp(-float(chain.log_prob(torch.stack(held_out, 1).numpy()).mean()))
-    held_out = tuple(t.to(device) for t in held_out)
-    runs = []
-    for seed in range(args.seed, args.seed + args.seeds):
-        args.run_seed = seed
-        runs += [train(name, chain, counts, held_out, optimum, args) for name in args.configs]
+    if args.merge:
+        runs.sort(key=lambda r: (r["seed"], list(CONFIGS).index(r["config"])))
         rows = summarize(runs)
         md = markdown(rows, settings, env, optimum, oracle)
-        if seed + 1 < args.seed + args.seeds:  # a long run keeps the seeds done so far if it is stopped
-            common.write_outputs(args.out, NAME, {"benchmark": NAME, "settings": settings, "environment": env,
-                                                  "partial": True, "summary": rows, "runs": runs}, md)  # fmt: skip
+    else:
+        held_out = tuple(t.to(device) for t in held_out)
+        # The proposal's class counts: what the run's pairs give in expectation (mu times the tokens seen).
+        counts = torch.from_numpy(np.round(chain.mu * args.steps * args.batch)).to(device, torch.int64)
+        runs = []
+        for seed in range(args.seed, args.seed + args.seeds):
+            runs += [train(name, seed, chain, counts, held_out, optimum, device, args) for name in args.configs]
+            rows = summarize(runs)
+            md = markdown(rows, settings, env, optimum, oracle)
+            if seed + 1 < args.seed + args.seeds:  # a long run keeps the seeds done so far if it is stopped
+                common.write_outputs(args.out, NAME, {"benchmark": NAME, "settings": settings, "environment": env,
+                                                      "partial": True, "summary": rows, "runs": runs}, md)  # fmt: skip
     return common.finish(args, NAME, env, settings, md, plot=lambda: plot(runs, args), optimum=optimum,
                          oracle_test_perplexity=oracle, summary=rows, runs=runs)  # fmt: skip
 
