@@ -312,6 +312,11 @@ def test_synthetic_convergence(tmp_path):
     assert merged_rows["midx-rq H0"]["vs_unigram_pct"] == pytest.approx(expected, rel=1e-12)
     assert [s["seeds"] for s in merged["settings"]["merged_from"]] == [[1], [0]]
     assert merged["optimum"] == p["optimum"] and merged["oracle_test_perplexity"] == p["oracle_test_perplexity"]
+    # --configs keeps those configurations only (here the full softmax of the first run).
+    files = [str(tmp_path / "synthetic_convergence.json"), *files]
+    only = run_bench("synthetic_convergence", tmp_path / "only", "--merge", *files, "--configs", "full", "midx-rq")
+    assert [(r["config"], r["seed"]) for r in only["runs"]] == [(c, s) for s in (0, 1) for c in ("full", "midx-rq")]
+    assert [s["seeds"] for s in only["settings"]["merged_from"]] == [[0, 1], [], []]
 
 
 def test_synthetic_convergence_refuses_impossible_sizes(tmp_path):

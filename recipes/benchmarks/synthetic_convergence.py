@@ -86,7 +86,7 @@ def parse_args(argv=None):
     p.add_argument("--eval_pairs", type=int, default=None, help="held-out pairs (default 32,768; quick 8,192)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="train nothing: table the runs of these synthetic_convergence.json files together (for "
-                   "example seeds run in parallel processes); their settings must agree")
+                   "example seeds run in parallel processes), those of --configs only; their settings must agree")
     args = common.parse(p, argv)
     args.vocab_size = args.vocab_size or common.by_size(args, 500, 5_000, 10_000)
     args.steps = args.steps or common.by_size(args, 40, 600, 4_000)
@@ -263,9 +263,9 @@ def plot(runs: list[dict], args) -> None:
     common.save_figure(fig, args.out, f"{NAME}.png")
 
 
-def load_runs(paths: list[str]) -> tuple[list[dict], dict, dict, list[dict]]:
-    """The runs of several outputs of this benchmark, checked to share a chain and training settings;
-    returns (runs, the first file's settings, its environment, one source entry per file)."""
+def load_runs(paths: list[str], configs: list[str]) -> tuple[list[dict], dict, dict, list[dict]]:
+    """The runs of ``configs`` in several outputs of this benchmark, checked to share a chain and training
+    settings; returns (runs, the first file's settings, its environment, one source entry per file)."""
     runs, sources, first, seen = [], [], None, {}
     for path in paths:
         try:
@@ -281,16 +281,20 @@ def load_runs(paths: list[str]) -> tuple[list[dict], dict, dict, list[dict]]:
             if settings.get(key) != first[0].get(key):
                 raise SystemExit(f"--merge {path}: {key} = {settings.get(key)} where {paths[0]} has "
                                  f"{first[0].get(key)}; only runs of the same settings share a table.")  # fmt: skip
+        kept = []
         for r in file_runs:
             if r["config"] not in CONFIGS:
                 raise SystemExit(f"--merge {path}: unknown configuration {r['config']!r}.")
+            if r["config"] not in configs:
+                continue
             key = (r["config"], r["seed"])
             if key in seen:
                 raise SystemExit(f"--merge: {r['config']} seed {r['seed']} is in both {seen[key]} and {path}.")
             seen[key] = path
-            runs.append(r)
+            kept.append(r)
+        runs += kept
         git = env.get("git", {})
-        seeds = sorted({r["seed"] for r in file_runs})
+        seeds = sorted({r["seed"] for r in kept})
         sources.append({"file": str(path), "commit": git.get("commit"), "dirty": git.get("dirty"),
                         "timestamp": env.get("timestamp"), "seeds": seeds})  # fmt: skip
     return runs, first[0], first[1], sources
@@ -300,7 +304,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     device = common.resolve_device(args.device)
     if args.merge:
-        runs, trained, env, sources = load_runs(args.merge)
+        runs, trained, env, sources = load_runs(args.merge, args.configs)
+        if not runs:
+            raise SystemExit(f"--merge: none of {args.merge} holds a run of {args.configs}.")
         for key in (*MERGE_KEYS, "eval_every"):  # the table's note and the plot describe the merged runs
             setattr(args, key, trained[key])
         settings = {**trained, "configs": [c for c in CONFIGS if any(r["config"] == c for r in runs)],
