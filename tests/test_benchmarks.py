@@ -319,6 +319,27 @@ def test_synthetic_convergence(tmp_path):
     assert [s["seeds"] for s in only["settings"]["merged_from"]] == [[0, 1], [], []]
 
 
+def test_synthetic_convergence_bias_folded_into_the_head(tmp_path):
+    """--bias folded is the same model trained by the same steps, with the bias inside the proposal's index:
+    the full softmax and unigram (which never look at the index) train exactly as with --bias separate, MIDX
+    differs once the proposal is rebuilt from a learned bias, and the two settings do not share a table."""
+    configs = ["full", "unigram H0", "midx-rq H0"]
+    out = {b: run_bench("synthetic_convergence", tmp_path / b, "--bias", b, "--refresh_every", "10", "--configs",
+                        *configs) for b in ("folded", "separate")}  # fmt: skip
+    assert out["folded"]["settings"]["bias"] == "folded" and out["separate"]["settings"]["bias"] == "separate"
+    curves = {b: {r["config"]: [q["ratio"] for q in r["curve"]] for r in p["runs"]} for b, p in out.items()}
+    for name in ("full", "unigram H0"):
+        assert curves["folded"][name] == pytest.approx(curves["separate"][name], rel=1e-6)
+    assert curves["folded"]["midx-rq H0"][0] == curves["separate"]["midx-rq H0"][0]  # the same start
+    assert curves["folded"]["midx-rq H0"][-1] != curves["separate"]["midx-rq H0"][-1]
+    script = [sys.executable, str(BENCH / "synthetic_convergence.py"), "--smoke", "--out", str(tmp_path / "m")]
+    files = [str(tmp_path / b / "synthetic_convergence.json") for b in ("folded", "separate")]
+    proc = subprocess.run([*script, "--merge", *files], capture_output=True, text=True, env=offline_env(),
+                          timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and "bias = separate where" in proc.stderr, proc.stderr
+    assert not (tmp_path / "m").exists()
+
+
 def test_synthetic_convergence_refuses_impossible_sizes(tmp_path):
     script = [sys.executable, str(BENCH / "synthetic_convergence.py"), "--smoke", "--out", str(tmp_path)]
     proc = subprocess.run([*script, "--num_samples", "400"], capture_output=True, text=True, env=offline_env(),
@@ -338,8 +359,15 @@ def test_synthetic_convergence_merge_refuses_mismatched_runs(tmp_path):
     a.write_text(json.dumps(payload))
     b.write_text(json.dumps({**payload, "settings": {**payload["settings"], "steps": 80}}))
     c.write_text("{not json")
+    d = tmp_path / "d.json"  # a run entry without its curve
+    d.write_text(json.dumps({**payload, "runs": [{"config": "unigram H0", "seed": 0, "ratio": 1.5}]}))
+    # A file written before --bias existed kept the bias out of the index: it does not share a folded table.
+    folded = tmp_path / "folded.json"
+    folded.write_text(json.dumps({**payload, "settings": {**payload["settings"], "bias": "folded"},
+                                  "runs": [{**payload["runs"][0], "seed": 1}]}))  # fmt: skip
     for files, message in (([a, a], "unigram H0 seed 0 is in both"), ([a, b], "steps = 80 where"),
-                           ([c], "not a synthetic_convergence.json output")):  # fmt: skip
+                           ([c], "not a synthetic_convergence.json output"), ([d], "a run without"),
+                           ([a, folded], "bias = folded where")):  # fmt: skip
         proc = subprocess.run([*script, "--merge", *map(str, files)], capture_output=True, text=True,
                               env=offline_env(), timeout=120)  # fmt: skip
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr

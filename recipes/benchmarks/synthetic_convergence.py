@@ -11,6 +11,12 @@ zero, so that the end of every run is near the optimum of its own objective. The
 so the optimal perplexity of any model is its entropy rate exp(H); a bigram model of rank D can reach it
 up to its rank.
 
+The bias b learns the log-frequency of the next word, a large part of every logit. By default
+(``--bias folded``) it is the last column of the head, W' = [W, b] (V, D + 1), scored with h' = [E[x], 1]:
+the same model and the same Adam steps, but the proposal is built from W', so MIDX sees the whole logit,
+as it does for the bias-free heads of current LMs. ``--bias separate`` keeps b out of the index (how
+``MidxLMHead`` treats a head with a bias: the proposal sees W only), the setting of the runs before it.
+
 Every configuration (``--configs``) trains from the same initial weights on the same pairs (per seed):
 ``full`` (the exact softmax), or a proposal as ``MidxLMHead`` builds it from a ``MidxConfig`` (the exact
 head of the H most frequent classes, M negatives per token, the estimator). The proposal is rebuilt from
@@ -63,7 +69,12 @@ CONFIGS = {
 EVAL_CHUNK = 4096
 #: Settings that must agree for runs to share a table (--merge).
 MERGE_KEYS = ("vocab_size", "dim", "steps", "batch", "lr", "num_samples", "codebook_size", "refresh_every",
-              "eval_pairs")  # fmt: skip
+              "eval_pairs", "bias")  # fmt: skip
+#: What every run entry holds (--merge refuses a file whose runs lack one).
+RUN_KEYS = frozenset({"config", "seed", "ratio", "seconds", "curve"})
+#: Outputs written before --bias existed kept the bias out of the index.
+BIAS_BEFORE_THE_FLAG = "separate"
+
 
 
 def parse_args(argv=None):
@@ -84,6 +95,9 @@ def parse_args(argv=None):
     p.add_argument("--refresh_every", type=int, default=100, help="rebuild the proposal from W every this many steps")
     p.add_argument("--eval_every", type=int, default=None, help="evaluate every this many steps (default steps / 16)")
     p.add_argument("--eval_pairs", type=int, default=None, help="held-out pairs (default 32,768; quick 8,192)")
+    p.add_argument("--bias", choices=("folded", "separate"), default="folded",
+                   help="'folded': b is the head's last column, so the proposal's index sees the whole logit (as with "
+                   "a bias-free LM head); 'separate': the proposal is built from W alone (runs before this flag)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="train nothing: table the runs of these synthetic_convergence.json files together (for "
                    "example seeds run in parallel processes), those of --configs only; their settings must agree")
@@ -111,14 +125,26 @@ def pairs(chain: ZipfMarkovChain, n: int, seed: list[int]) -> tuple[torch.Tensor
     return block[:, 0].contiguous(), block[:, 1].contiguous()
 
 
-def test_nll(emb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Exact mean cross-entropy (nats) of the (N,) pairs, in chunks (no (N, V) tensor)."""
+def test_nll(emb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
+             y: torch.Tensor) -> float:  # fmt: skip
+    """Exact mean cross-entropy (nats) of the (N,) pairs, in chunks (no (N, V) tensor). ``weight`` is (V, D)
+    with a (V,) ``bias``, or (V, D + 1) with the bias as its last column and ``bias`` None."""
     total = 0.0
     with torch.no_grad():
         for i in range(0, x.shape[0], EVAL_CHUNK):
-            logits = emb[x[i : i + EVAL_CHUNK]] @ weight.T + bias
+            logits = features(emb, x[i : i + EVAL_CHUNK], weight) @ weight.T
+            if bias is not None:
+                logits = logits + bias
             total += float(F.cross_entropy(logits, y[i : i + EVAL_CHUNK], reduction="sum"))
     return total / x.shape[0]
+
+
+def features(emb: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(N, D) rows E[x], or (N, D + 1) rows [E[x], 1] when the bias is the last column of ``weight``."""
+    h = emb[x]
+    if weight.shape[1] == h.shape[1]:
+        return h
+    return torch.cat([h, h.new_ones(h.shape[0], 1)], dim=1)
 
 
 def proposal(config: dict, weight: torch.Tensor, counts: torch.Tensor, seed: int, args) -> tuple:
@@ -138,9 +164,16 @@ def train(name: str, seed: int, chain: ZipfMarkovChain, counts: torch.Tensor, he
     v, d = args.vocab_size, args.dim
     gen = torch.Generator().manual_seed(seed)
     emb = (torch.randn(v, d, generator=gen) * 0.1).to(device).requires_grad_()
-    weight = (torch.randn(v, d, generator=gen) * 0.1).to(device).requires_grad_()
-    bias = torch.zeros(v, device=device, requires_grad=True)
-    opt = torch.optim.Adam([emb, weight, bias], lr=args.lr)
+    weight = torch.randn(v, d, generator=gen) * 0.1
+    if args.bias == "folded":  # the same start and, Adam being per coordinate, the same steps as "separate"
+        weight = torch.cat([weight, torch.zeros(v, 1)], dim=1).to(device).requires_grad_()
+        bias = None
+        params = [emb, weight]
+    else:
+        weight = weight.to(device).requires_grad_()
+        bias = torch.zeros(v, device=device, requires_grad=True)
+        params = [emb, weight, bias]
+    opt = torch.optim.Adam(params, lr=args.lr)
     warmup = min(100, args.steps // 10)
 
     def lr_at(step: int) -> float:  # step in [0, steps)
@@ -162,9 +195,10 @@ def train(name: str, seed: int, chain: ZipfMarkovChain, counts: torch.Tensor, he
             sampler.refresh(weight.detach())
         x, y = pairs(chain, args.batch, [seed, 1, step])  # the same pairs for every configuration
         x, y = x.to(device), y.to(device)
-        h = emb[x]
+        h = features(emb, x, weight)
         if sampler is None:
-            loss = F.cross_entropy(h @ weight.T + bias, y)
+            logits = h @ weight.T
+            loss = F.cross_entropy(logits if bias is None else logits + bias, y)
         else:
             loss = hf_midx.sampled_softmax_loss(
                 h, weight, y, sampler, cfg.num_samples, bias=bias, estimator=cfg.estimator, exact_ids=exact,
@@ -232,7 +266,8 @@ def markdown(rows: list[dict], settings: dict, env: dict, optimum: float, oracle
         f"Optimal perplexity exp(H) = {optimum:.2f}; the true chain scores {oracle:.2f} on the held-out pairs "
         f"({oracle / optimum:.4f} x). Bigram model of rank D = {settings['dim']}, {settings['steps']:,} steps of "
         f"{settings['batch']:,} fresh pairs, Adam (peak lr {settings['lr']:g}, cosine to 0); M = "
-        f"{settings['num_samples']}, K = {settings['codebook_size']}, refresh every {settings['refresh_every']} steps."
+        f"{settings['num_samples']}, K = {settings['codebook_size']}, refresh every {settings['refresh_every']} steps; the bias "
+        + ("folded into the head, so the index sees it." if settings["bias"] == "folded" else "kept out of the index.")
     )
     return common.report(f"{NAME}: V = {settings['vocab_size']:,}", env, settings, note, "",
                          common.markdown_table(rows, columns))  # fmt: skip
@@ -259,7 +294,7 @@ def plot(runs: list[dict], args) -> None:
     if tail:
         axes[0].set_ylim(min(tail) * 0.995, max(tail) * 1.005)
         axes[0].set_xlim(args.steps // 2, args.steps)
-    fig.suptitle(f"bigram model of the synthetic chain, V = {args.vocab_size:,}, D = {args.dim}")
+    fig.suptitle(f"bigram model of the synthetic chain, V = {args.vocab_size:,}, D = {args.dim}, bias {args.bias}")
     common.save_figure(fig, args.out, f"{NAME}.png")
 
 
@@ -271,6 +306,7 @@ def load_runs(paths: list[str], configs: list[str]) -> tuple[list[dict], dict, d
         try:
             payload = json.loads(Path(path).read_text())
             settings, env, file_runs = payload["settings"], payload["environment"], payload["runs"]
+            settings.setdefault("bias", BIAS_BEFORE_THE_FLAG)
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise SystemExit(f"--merge {path}: not a {NAME}.json output ({err}).") from None
         if payload.get("benchmark") != NAME:
@@ -283,6 +319,8 @@ def load_runs(paths: list[str], configs: list[str]) -> tuple[list[dict], dict, d
                                  f"{first[0].get(key)}; only runs of the same settings share a table.")  # fmt: skip
         kept = []
         for r in file_runs:
+            if not isinstance(r, dict) or not RUN_KEYS <= r.keys():
+                raise SystemExit(f"--merge {path}: a run without {', '.join(sorted(RUN_KEYS))}: {str(r)[:80]}.")
             if r["config"] not in CONFIGS:
                 raise SystemExit(f"--merge {path}: unknown configuration {r['config']!r}.")
             if r["config"] not in configs:
@@ -315,7 +353,7 @@ def main(argv=None) -> dict:
     else:
         env, settings = common.start(NAME, args, device, **{k: getattr(args, k) for k in (
             "configs", "seeds", "vocab_size", "dim", "steps", "batch", "lr", "num_samples", "codebook_size",
-            "refresh_every", "eval_every", "eval_pairs")})  # fmt: skip
+            "refresh_every", "eval_every", "eval_pairs", "bias")})  # fmt: skip
     chain = ZipfMarkovChain(args.vocab_size, seed=0)
     optimum = chain.entropy_rate_perplexity()
     # The same held-out pairs for every seed, so that seeds run in separate processes can share a table.
