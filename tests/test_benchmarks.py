@@ -322,7 +322,8 @@ def test_synthetic_convergence(tmp_path):
 def test_synthetic_convergence_bias_folded_into_the_head(tmp_path):
     """--bias folded is the same model trained by the same steps, with the bias inside the proposal's index:
     the full softmax and unigram (which never look at the index) train exactly as with --bias separate, MIDX
-    differs once the proposal is rebuilt from a learned bias, and the two settings do not share a table."""
+    differs once the proposal is rebuilt from a learned bias, and MIDX runs of both settings do not share a
+    table (the others do)."""
     configs = ["full", "unigram H0", "midx-rq H0"]
     out = {b: run_bench("synthetic_convergence", tmp_path / b, "--bias", b, "--refresh_every", "10", "--configs",
                         *configs) for b in ("folded", "separate")}  # fmt: skip
@@ -334,8 +335,8 @@ def test_synthetic_convergence_bias_folded_into_the_head(tmp_path):
     assert curves["folded"]["midx-rq H0"][-1] != curves["separate"]["midx-rq H0"][-1]
     script = [sys.executable, str(BENCH / "synthetic_convergence.py"), "--smoke", "--out", str(tmp_path / "m")]
     files = [str(tmp_path / b / "synthetic_convergence.json") for b in ("folded", "separate")]
-    proc = subprocess.run([*script, "--merge", *files], capture_output=True, text=True, env=offline_env(),
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run([*script, "--merge", *files, "--configs", "midx-rq H0"], capture_output=True, text=True,
+                          env=offline_env(), timeout=120)  # fmt: skip
     assert proc.returncode != 0 and "bias = separate where" in proc.stderr, proc.stderr
     assert not (tmp_path / "m").exists()
 
@@ -351,23 +352,37 @@ def test_synthetic_convergence_refuses_impossible_sizes(tmp_path):
 def test_synthetic_convergence_merge_refuses_mismatched_runs(tmp_path):
     """--merge refuses a run tabled twice and runs of other settings, naming the file and the setting."""
     script = [sys.executable, str(BENCH / "synthetic_convergence.py"), "--smoke", "--out", str(tmp_path / "out")]
-    payload = {"benchmark": "synthetic_convergence", "environment": {"git": {"commit": "abc"}},
+    env = {"device": "cpu", "device_type": "cpu", "hf_midx": "0", "torch": "0", "transformers": "0", "faiss": None,
+           "liger_kernel": None, "python": "3", "git": {"commit": "abc", "dirty": False}, "timestamp": "now"}
+    payload = {"benchmark": "synthetic_convergence", "environment": env,
                "settings": {"vocab_size": 500, "dim": 16, "steps": 40, "batch": 256, "lr": 0.01, "num_samples": 20,
                             "codebook_size": 32, "refresh_every": 100, "eval_pairs": 1024, "eval_every": 2},
-               "runs": [{"config": "unigram H0", "seed": 0, "ratio": 1.5, "seconds": 1.0, "curve": []}]}  # fmt: skip
+               "runs": [{"config": "unigram H0", "seed": 0, "ratio": 1.5, "seconds": 1.0,
+                         "curve": [{"step": 0, "seconds": 0.0, "ratio": 9.0},
+                                   {"step": 40, "seconds": 1.0, "ratio": 1.5}]}]}  # fmt: skip
     a, b, c = (tmp_path / f"{x}.json" for x in "abc")
     a.write_text(json.dumps(payload))
     b.write_text(json.dumps({**payload, "settings": {**payload["settings"], "steps": 80}}))
     c.write_text("{not json")
-    d = tmp_path / "d.json"  # a run entry without its curve
-    d.write_text(json.dumps({**payload, "runs": [{"config": "unigram H0", "seed": 0, "ratio": 1.5}]}))
-    # A file written before --bias existed kept the bias out of the index: it does not share a folded table.
+    # A file written before --bias existed kept the bias out of the index: its MIDX runs do not share a folded
+    # table, its unigram runs do (they never read the index).
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({**payload, "runs": [{**payload["runs"][0], "config": "midx-rq H0", "seed": 1}]}))
     folded = tmp_path / "folded.json"
     folded.write_text(json.dumps({**payload, "settings": {**payload["settings"], "bias": "folded"},
-                                  "runs": [{**payload["runs"][0], "seed": 1}]}))  # fmt: skip
+                                  "runs": [{**payload["runs"][0], "config": "midx-rq H0"}]}))  # fmt: skip
+    out = tmp_path / "merged"
+    proc = subprocess.run([*script[:-1], str(out), "--merge", str(a), str(folded)], capture_output=True, text=True,
+                          env={**offline_env(), "MPLBACKEND": "Agg"}, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    merged = json.loads((out / "synthetic_convergence.json").read_text())
+    assert merged["settings"]["bias"] == "folded"
+    assert [(r["config"], r["seed"]) for r in merged["runs"]] == [("unigram H0", 0), ("midx-rq H0", 0)]
+    d = tmp_path / "d.json"  # a run entry without its curve
+    d.write_text(json.dumps({**payload, "runs": [{"config": "unigram H0", "seed": 0, "ratio": 1.5}]}))
     for files, message in (([a, a], "unigram H0 seed 0 is in both"), ([a, b], "steps = 80 where"),
                            ([c], "not a synthetic_convergence.json output"), ([d], "a run without"),
-                           ([a, folded], "bias = folded where")):  # fmt: skip
+                           ([old, folded], "bias = folded where")):  # fmt: skip
         proc = subprocess.run([*script, "--merge", *map(str, files)], capture_output=True, text=True,
                               env=offline_env(), timeout=120)  # fmt: skip
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr

@@ -69,12 +69,13 @@ CONFIGS = {
 EVAL_CHUNK = 4096
 #: Settings that must agree for runs to share a table (--merge).
 MERGE_KEYS = ("vocab_size", "dim", "steps", "batch", "lr", "num_samples", "codebook_size", "refresh_every",
-              "eval_pairs", "bias")  # fmt: skip
+              "eval_pairs")  # fmt: skip
 #: What every run entry holds (--merge refuses a file whose runs lack one).
 RUN_KEYS = frozenset({"config", "seed", "ratio", "seconds", "curve"})
-#: Outputs written before --bias existed kept the bias out of the index.
+#: --bias changes only the runs whose proposal is built from the head weight (MIDX): the full softmax and
+#: unigram train identically with either, so --merge checks it on those runs only. Outputs written before
+#: --bias existed kept the bias out of the index.
 BIAS_BEFORE_THE_FLAG = "separate"
-
 
 
 def parse_args(argv=None):
@@ -298,10 +299,16 @@ def plot(runs: list[dict], args) -> None:
     common.save_figure(fig, args.out, f"{NAME}.png")
 
 
+def reads_index(name: str) -> bool:
+    """Whether configuration ``name`` builds its proposal from the head weight (so --bias changes it)."""
+    return CONFIGS[name] is not None and CONFIGS[name]["sampler"].startswith("midx")
+
+
 def load_runs(paths: list[str], configs: list[str]) -> tuple[list[dict], dict, dict, list[dict]]:
     """The runs of ``configs`` in several outputs of this benchmark, checked to share a chain and training
-    settings; returns (runs, the first file's settings, its environment, one source entry per file)."""
-    runs, sources, first, seen = [], [], None, {}
+    settings (and, for the MIDX runs, --bias); returns (runs, the first file's settings with the MIDX runs'
+    bias, its environment, one source entry per file)."""
+    runs, sources, first, seen, index_bias = [], [], None, {}, None
     for path in paths:
         try:
             payload = json.loads(Path(path).read_text())
@@ -325,6 +332,12 @@ def load_runs(paths: list[str], configs: list[str]) -> tuple[list[dict], dict, d
                 raise SystemExit(f"--merge {path}: unknown configuration {r['config']!r}.")
             if r["config"] not in configs:
                 continue
+            if reads_index(r["config"]):
+                if index_bias is None:
+                    index_bias = (settings["bias"], path)
+                elif settings["bias"] != index_bias[0]:
+                    raise SystemExit(f"--merge {path}: bias = {settings['bias']} where {index_bias[1]} has "
+                                     f"{index_bias[0]}; MIDX runs of both settings do not share a table.")  # fmt: skip
             key = (r["config"], r["seed"])
             if key in seen:
                 raise SystemExit(f"--merge: {r['config']} seed {r['seed']} is in both {seen[key]} and {path}.")
@@ -335,7 +348,8 @@ def load_runs(paths: list[str], configs: list[str]) -> tuple[list[dict], dict, d
         seeds = sorted({r["seed"] for r in kept})
         sources.append({"file": str(path), "commit": git.get("commit"), "dirty": git.get("dirty"),
                         "timestamp": env.get("timestamp"), "seeds": seeds})  # fmt: skip
-    return runs, first[0], first[1], sources
+    trained = first[0] if index_bias is None else {**first[0], "bias": index_bias[0]}
+    return runs, trained, first[1], sources
 
 
 def main(argv=None) -> dict:
@@ -345,7 +359,7 @@ def main(argv=None) -> dict:
         runs, trained, env, sources = load_runs(args.merge, args.configs)
         if not runs:
             raise SystemExit(f"--merge: none of {args.merge} holds a run of {args.configs}.")
-        for key in (*MERGE_KEYS, "eval_every"):  # the table's note and the plot describe the merged runs
+        for key in (*MERGE_KEYS, "eval_every", "bias"):  # the table's note and the plot describe the merged runs
             setattr(args, key, trained[key])
         settings = {**trained, "configs": [c for c in CONFIGS if any(r["config"] == c for r in runs)],
                     "seeds": len({r["seed"] for r in runs}), "merged_from": sources}  # fmt: skip
