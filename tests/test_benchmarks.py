@@ -333,11 +333,19 @@ def test_synthetic_convergence_bias_folded_into_the_head(tmp_path):
         assert curves["folded"][name] == pytest.approx(curves["separate"][name], rel=1e-6)
     assert curves["folded"]["midx-rq H0"][0] == curves["separate"]["midx-rq H0"][0]  # the same start
     assert curves["folded"]["midx-rq H0"][-1] != curves["separate"]["midx-rq H0"][-1]
+    # --tied: E is W's first D columns, so the start differs; tied and untied runs do not share a table.
+    tied = run_bench("synthetic_convergence", tmp_path / "tied", "--tied", "--configs", "full")
+    assert tied["settings"]["tied"] is True and out["folded"]["settings"]["tied"] is False
+    curve = [q["ratio"] for q in tied["runs"][0]["curve"]]
+    assert curve[-1] < 0.8 * curve[0] and curve[0] != curves["folded"]["full"][0]
     script = [sys.executable, str(BENCH / "synthetic_convergence.py"), "--smoke", "--out", str(tmp_path / "m")]
     files = [str(tmp_path / b / "synthetic_convergence.json") for b in ("folded", "separate")]
     proc = subprocess.run([*script, "--merge", *files, "--configs", "midx-rq H0"], capture_output=True, text=True,
                           env=offline_env(), timeout=120)  # fmt: skip
     assert proc.returncode != 0 and "bias = separate where" in proc.stderr, proc.stderr
+    proc = subprocess.run([*script, "--merge", files[0], str(tmp_path / "tied" / "synthetic_convergence.json")],
+                          capture_output=True, text=True, env=offline_env(), timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and "tied = True where" in proc.stderr, proc.stderr
     assert not (tmp_path / "m").exists()
 
 

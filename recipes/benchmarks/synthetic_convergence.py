@@ -16,6 +16,7 @@ The bias b learns the log-frequency of the next word, a large part of every logi
 the same model and the same Adam steps, but the proposal is built from W', so MIDX sees the whole logit,
 as it does for the bias-free heads of current LMs. ``--bias separate`` keeps b out of the index (how
 ``MidxLMHead`` treats a head with a bias: the proposal sees W only), the setting of the runs before it.
+``--tied`` ties E to W, as GPT-2 (the model of ``recipes/large_vocab.py``) ties its embeddings.
 
 Every configuration (``--configs``) trains from the same initial weights on the same pairs (per seed):
 ``full`` (the exact softmax), or a proposal as ``MidxLMHead`` builds it from a ``MidxConfig`` (the exact
@@ -69,7 +70,7 @@ CONFIGS = {
 EVAL_CHUNK = 4096
 #: Settings that must agree for runs to share a table (--merge).
 MERGE_KEYS = ("vocab_size", "dim", "steps", "batch", "lr", "num_samples", "codebook_size", "refresh_every",
-              "eval_pairs")  # fmt: skip
+              "eval_pairs", "tied")  # fmt: skip
 #: What every run entry holds (--merge refuses a file whose runs lack one).
 RUN_KEYS = frozenset({"config", "seed", "ratio", "seconds", "curve"})
 #: --bias changes only the runs whose proposal is built from the head weight (MIDX): the full softmax and
@@ -99,6 +100,8 @@ def parse_args(argv=None):
     p.add_argument("--bias", choices=("folded", "separate"), default="folded",
                    help="'folded': b is the head's last column, so the proposal's index sees the whole logit (as with "
                    "a bias-free LM head); 'separate': the proposal is built from W alone (runs before this flag)")
+    p.add_argument("--tied", action="store_true",
+                   help="tie the input embedding to the head's weight (E = W, as GPT-2's tie_word_embeddings)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="train nothing: table the runs of these synthetic_convergence.json files together (for "
                    "example seeds run in parallel processes), those of --configs only; their settings must agree")
@@ -174,6 +177,13 @@ def train(name: str, seed: int, chain: ZipfMarkovChain, counts: torch.Tensor, he
         weight = weight.to(device).requires_grad_()
         bias = torch.zeros(v, device=device, requires_grad=True)
         params = [emb, weight, bias]
+    if args.tied:  # GPT-2's tie_word_embeddings: the input embedding is the head's weight (its first D columns)
+        params.remove(emb)
+        emb = None
+
+    def inputs() -> torch.Tensor:  # (V, D) input embedding
+        return weight[:, :d] if emb is None else emb
+
     opt = torch.optim.Adam(params, lr=args.lr)
     warmup = min(100, args.steps // 10)
 
@@ -188,7 +198,7 @@ def train(name: str, seed: int, chain: ZipfMarkovChain, counts: torch.Tensor, he
     if config is not None:
         sampler, exact, cfg = proposal(config, weight.detach(), counts, seed, args)
     x_test, y_test = held_out
-    curve = [{"step": 0, "seconds": 0.0, "ratio": math.exp(test_nll(emb, weight, bias, x_test, y_test)) / optimum}]
+    curve = [{"step": 0, "seconds": 0.0, "ratio": math.exp(test_nll(inputs(), weight, bias, x_test, y_test)) / optimum}]
     seconds = 0.0
     for step in range(args.steps):
         started = time.perf_counter()
@@ -196,7 +206,7 @@ def train(name: str, seed: int, chain: ZipfMarkovChain, counts: torch.Tensor, he
             sampler.refresh(weight.detach())
         x, y = pairs(chain, args.batch, [seed, 1, step])  # the same pairs for every configuration
         x, y = x.to(device), y.to(device)
-        h = features(emb, x, weight)
+        h = features(inputs(), x, weight)
         if sampler is None:
             logits = h @ weight.T
             loss = F.cross_entropy(logits if bias is None else logits + bias, y)
@@ -212,7 +222,7 @@ def train(name: str, seed: int, chain: ZipfMarkovChain, counts: torch.Tensor, he
         common.sync(device)
         seconds += time.perf_counter() - started
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            nll = test_nll(emb, weight, bias, x_test, y_test)
+            nll = test_nll(inputs(), weight, bias, x_test, y_test)
             if not math.isfinite(nll):
                 raise SystemExit(f"{name}, seed {seed}: the test loss is {nll} at step {step + 1}.")
             curve.append({"step": step + 1, "seconds": seconds, "ratio": math.exp(nll) / optimum})
@@ -267,7 +277,8 @@ def markdown(rows: list[dict], settings: dict, env: dict, optimum: float, oracle
         f"Optimal perplexity exp(H) = {optimum:.2f}; the true chain scores {oracle:.2f} on the held-out pairs "
         f"({oracle / optimum:.4f} x). Bigram model of rank D = {settings['dim']}, {settings['steps']:,} steps of "
         f"{settings['batch']:,} fresh pairs, Adam (peak lr {settings['lr']:g}, cosine to 0); M = "
-        f"{settings['num_samples']}, K = {settings['codebook_size']}, refresh every {settings['refresh_every']} steps; the bias "
+        f"{settings['num_samples']}, K = {settings['codebook_size']}, refresh every {settings['refresh_every']} steps"
+        + ("; E tied to W" if settings["tied"] else "") + "; the bias "
         + ("folded into the head, so the index sees it." if settings["bias"] == "folded" else "kept out of the index.")
     )
     return common.report(f"{NAME}: V = {settings['vocab_size']:,}", env, settings, note, "",
@@ -314,6 +325,7 @@ def load_runs(paths: list[str], configs: list[str]) -> tuple[list[dict], dict, d
             payload = json.loads(Path(path).read_text())
             settings, env, file_runs = payload["settings"], payload["environment"], payload["runs"]
             settings.setdefault("bias", BIAS_BEFORE_THE_FLAG)
+            settings.setdefault("tied", False)
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise SystemExit(f"--merge {path}: not a {NAME}.json output ({err}).") from None
         if payload.get("benchmark") != NAME:
@@ -367,7 +379,7 @@ def main(argv=None) -> dict:
     else:
         env, settings = common.start(NAME, args, device, **{k: getattr(args, k) for k in (
             "configs", "seeds", "vocab_size", "dim", "steps", "batch", "lr", "num_samples", "codebook_size",
-            "refresh_every", "eval_every", "eval_pairs", "bias")})  # fmt: skip
+            "refresh_every", "eval_every", "eval_pairs", "bias", "tied")})  # fmt: skip
     chain = ZipfMarkovChain(args.vocab_size, seed=0)
     optimum = chain.entropy_rate_perplexity()
     # The same held-out pairs for every seed, so that seeds run in separate processes can share a table.
