@@ -334,7 +334,7 @@ def test_synthetic_convergence_bias_folded_into_the_head(tmp_path):
     assert curves["folded"]["midx-rq H0"][0] == curves["separate"]["midx-rq H0"][0]  # the same start
     assert curves["folded"]["midx-rq H0"][-1] != curves["separate"]["midx-rq H0"][-1]
     # --tied: E is W's first D columns, so the start differs; tied and untied runs do not share a table.
-    tied = run_bench("synthetic_convergence", tmp_path / "tied", "--tied", "--configs", "full")
+    tied = run_bench("synthetic_convergence", tmp_path / "tied", "--tied", "--refresh_every", "10", "--configs", "full")
     assert tied["settings"]["tied"] is True and out["folded"]["settings"]["tied"] is False
     curve = [q["ratio"] for q in tied["runs"][0]["curve"]]
     assert curve[-1] < 0.8 * curve[0] and curve[0] != curves["folded"]["full"][0]
