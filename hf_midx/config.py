@@ -58,14 +58,16 @@ class MidxConfig:
         metadata={"help": f"Proposal distribution for the negatives; one of {', '.join(sorted(SAMPLERS))}."},
     )
     num_samples: int = field(
-        default=100,
+        default=20,
         metadata={
             "help": "Negatives per token (M) with negatives='per-query', or the size of the shared pool (P) "
-            "with negatives='shared'. Must be smaller than the vocabulary."
+            "with negatives='shared' (set it to hundreds or thousands there, e.g. 1024: one pool serves the "
+            "whole batch). Must be smaller than the vocabulary. 20 trained better than 100 with the exact head "
+            "(WikiText-2 and V = 100,000, README 'Performance') and steps faster."
         },
     )
     codebook_size: int = field(
-        default=64,
+        default=32,
         metadata={"help": "Codewords per codebook (K) of the MIDX samplers; K*K buckets. Ignored by other samplers."},
     )
     negatives: str = field(

@@ -16,8 +16,9 @@ alone would keep the index of the random initial weights.
 The defaults make a learning curve that fits a 2-core CPU: 8,000,000 fresh training tokens seen once each
 (5,000 steps of 32 x 50 tokens; a corpus of 500k tokens overfits after about 900 steps at V = 100,000),
 the paper's GPT-2 narrowed to n_embd 128 and n_inner 512 when training from scratch, validation every 500
-steps. At V = 100,000 a sampled run took 81-95 minutes on one of two shared cores and reached 1.52x the
-optimal test perplexity; the full softmax runs about 6x slower per token.
+steps. At V = 100,000 a default run (M = 20, K = 32) takes about 30 minutes on one core of this 2-core CPU
+and reaches 1.50x the optimal test perplexity; the full softmax runs about 6x slower per token (on a GPU:
+recipes/benchmarks/gpu_large_vocab.sh).
 """
 
 from __future__ import annotations

@@ -6,15 +6,14 @@
 
 The model is the paper's WikiText-2 transformer: a GPT-2-architecture decoder with 2 layers, 4 heads,
 embeddings 200, feed-forward 1024, tied embeddings, 50 predicted tokens per block. The sampler is the
-library's default (midx-rq with an exact head and a unigram mixture) with 100 negatives per token,
-128 codewords per codebook and an index rebuilt every 100 steps. In one-epoch runs with K = 32, M = 20
-(``--num_samples 20``) trained as well as M = 100 at about 1.7 times its speed
-(recipes/benchmarks/README.md). Data: WikiText-2 from the Hugging Face Hub
-(``Salesforce/wikitext``, ``wikitext-2-v1``), or local files with --train_file/--validation_file
-[--test_file]; when the Hub cannot be reached and no file is given, a small sample shipped in
-recipes/data/wikitext2_sample (one line says so). The tokenizer is word level, built from the training
-split (33,278 entries on WikiText-2). See lm_data.py for the blocking and lm_recipe.py for what is
-written to --output_dir. Every TrainingArguments flag works. Also runs as ``python -m recipes.wikitext2``.
+library's default (midx-rq with 20 negatives per token, 32 codewords per codebook, an exact head and a
+unigram mixture) with an index rebuilt every 100 steps; in one-epoch runs it trained 0.9% better than
+``--num_samples 100`` (3 seeds) at about 1.7 times its speed (recipes/benchmarks/README.md). Data:
+WikiText-2 from the Hugging Face Hub (``Salesforce/wikitext``, ``wikitext-2-v1``), or local files with
+--train_file/--validation_file [--test_file]; when the Hub cannot be reached and no file is given, a small
+sample shipped in recipes/data/wikitext2_sample (one line says so). The tokenizer is word level, built from
+the training split (33,278 entries on WikiText-2). See lm_data.py for the blocking and lm_recipe.py for what
+is written to --output_dir. Every TrainingArguments flag works. Also runs as ``python -m recipes.wikitext2``.
 """
 
 from __future__ import annotations
@@ -37,10 +36,10 @@ SAMPLE_DIR = Path(__file__).resolve().parent / "data" / "wikitext2_sample"
 SAMPLE_NAME = "recipes/data/wikitext2_sample"  # as messages show it: no path of this machine
 HUB_DATASET, HUB_CONFIG = "Salesforce/wikitext", "wikitext-2-v1"
 SPLITS = ("train", "validation", "test")
-#: Where the recipe differs from MidxConfig: more codewords for WikiText-2's 33k words, and a refresh every
-#: 100 steps, which keeps a run of one epoch or less off the index of the random initial weights (the
-#: library's refresh at each epoch start alone would never rebuild it).
-MIDX_DEFAULTS = {"num_samples": 100, "codebook_size": 128, "refresh_every_steps": 100}
+#: Where the recipe differs from MidxConfig: a refresh every 100 steps, which keeps a run of one epoch or
+#: less off the index of the random initial weights (the library's refresh at each epoch start alone would
+#: never rebuild it).
+MIDX_DEFAULTS = {"refresh_every_steps": 100}
 
 
 @dataclass

@@ -193,6 +193,22 @@ def test_gpu_check_script_is_valid_bash():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_gpu_large_vocab_script_tables_its_runs(tmp_path):
+    """gpu_large_vocab.sh at DEVICE=cpu: tiny runs of the three configurations, as parallel processes, and
+    synthetic_curves' table of them, with unigram as the paired reference and the full softmax beside it."""
+    env = offline_env(DEVICE="cpu", SEEDS="1", RESULTS=str(tmp_path / "out"), OMP_NUM_THREADS="1",
+                      PYTHON=sys.executable)  # fmt: skip
+    proc = subprocess.run(["bash", str(BENCH / "gpu_large_vocab.sh")], capture_output=True, text=True, env=env,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "runs finished: 3 of 3" in proc.stdout
+    table = json.loads((tmp_path / "out" / "synthetic_curves.json").read_text())
+    labels = {r["label"].split()[0] for r in table["runs"]}
+    assert labels == {"full", "midx-rq", "unigram"}
+    assert all(r["seed"] == 0 and r["vocab_size"] == 3000 for r in table["runs"])
+    assert (tmp_path / "out" / "synthetic_curves_v3000.png").stat().st_size > 0
+
+
 def test_compare_samplers_parallel_runs_and_variants(tmp_path):
     """--parallel trains the equal-epochs runs side by side (subprocesses) with the same perplexities as
     one at a time; midx-rq-shared trains with a shared pool of --pool_size; misuse is refused."""

@@ -19,7 +19,7 @@ from hf_midx.version import __version__  # noqa: E402
 
 def test_defaults_are_valid_and_documented():
     config = MidxConfig()
-    assert config.sampler == "midx-rq" and config.num_samples == 100 and config.codebook_size == 64
+    assert config.sampler == "midx-rq" and config.num_samples == 20 and config.codebook_size == 32
     assert config.negatives == "per-query" and config.codebooks == "kmeans"
     assert config.refresh_every_steps == 0 and config.refresh_every_epoch is True
     assert config.kmeans_iters == 20 and config.kmeans_backend == "torch"
@@ -100,7 +100,7 @@ def test_integer_floats_are_accepted():
 
 def test_replace_validates_and_names_unknown_fields():
     config = MidxConfig()
-    assert config.replace(num_samples=7).num_samples == 7 and config.num_samples == 100
+    assert config.replace(num_samples=7).num_samples == 7 and config.num_samples == 20
     with pytest.raises(ValueError, match=r"Unknown MidxConfig field\(s\) \['num_sample'\]"):
         config.replace(num_sample=7)
     with pytest.raises(ValueError, match="num_samples"):

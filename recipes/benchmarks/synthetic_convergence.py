@@ -306,7 +306,9 @@ def plot(runs: list[dict], args) -> None:
     if tail:
         axes[0].set_ylim(min(tail) * 0.995, max(tail) * 1.005)
         axes[0].set_xlim(args.steps // 2, args.steps)
-    fig.suptitle(f"bigram model of the synthetic chain, V = {args.vocab_size:,}, D = {args.dim}, bias {args.bias}")
+    tied = ", E tied to W" if args.tied else ""
+    fig.suptitle(f"bigram model of the synthetic chain, V = {args.vocab_size:,}, D = {args.dim}, "
+                 f"bias {args.bias}{tied}")  # fmt: skip
     common.save_figure(fig, args.out, f"{NAME}.png")
 
 

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The synthetic-corpus seed table of recipes/large_vocab.py on one GPU, in one call: the recipe's defaults
+# (V = 100,000, 5,000 steps) for the default MIDX head, unigram with the same head and M, and the full
+# softmax, SEEDS seeds each, all as parallel processes on the one GPU (the model is small: the GPU would
+# sit mostly idle with one run), then synthetic_curves.py's table and curves of them. On a CPU these runs
+# take 30-50 minutes each for the sampled heads and hours for the full softmax.
+#
+#   bash recipes/benchmarks/gpu_large_vocab.sh                  # RESULTS=gpu-out/large_vocab, SEEDS=3
+#   DEVICE=cpu bash recipes/benchmarks/gpu_large_vocab.sh       # a tiny smoke version of the same commands
+#
+# Extra recipe flags for every run go in ARGS (e.g. ARGS="--vocab_size 262144"); RUN_TIMEOUT (s) stops a run
+# that overruns, and the table is written from the runs that finished. PACK=<file.tgz> packs $RESULTS;
+# PYTHON picks the interpreter (default python3).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+RESULTS=${RESULTS:-gpu-out/large_vocab}
+SEEDS=${SEEDS:-3}
+DEVICE=${DEVICE:-cuda}
+ARGS=${ARGS:-}
+PACK=${PACK:-}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$RESULTS/runs"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ "$DEVICE" = cpu ]; then
+  # Tiny corpus and model, a few steps: checks the commands and the table, not the figures.
+  size=(--use_cpu --vocab_size 3000 --train_tokens 8000 --eval_tokens 500 --max_steps 6 --eval_steps 3
+        --logging_steps 2 --per_device_train_batch_size 4 --per_device_eval_batch_size 4 --exact_head 64
+        --refresh_every_steps 2 --config_overrides n_embd=16,n_inner=32,n_layer=1,n_head=2)
+else
+  size=()
+fi
+declare -A configs=([default]="" [unigram]="--sampler unigram" [full]="--sampler full")
+pids=()
+for seed in $(seq 0 $((SEEDS - 1))); do
+  for name in default unigram full; do
+    out="$RESULTS/runs/${name}_s$seed"
+    # shellcheck disable=SC2086  # the config's and ARGS' flags are words
+    timeout "${RUN_TIMEOUT:-540}" "$PYTHON" recipes/large_vocab.py --output_dir "$out" --overwrite_output_dir \
+      --seed "$seed" --save_strategy no --report_to none "${size[@]}" ${configs[$name]} $ARGS \
+      > "$out.log" 2>&1 &
+    pids+=($!)
+  done
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+finished=()
+for dir in "$RESULTS"/runs/*/; do [ -f "$dir/results.json" ] && finished+=("$dir"); done
+echo "runs finished: ${#finished[@]} of ${#pids[@]}"
+if [ "${#finished[@]}" -gt 0 ]; then
+  MPLBACKEND=Agg "$PYTHON" recipes/benchmarks/synthetic_curves.py "${finished[@]}" --out "$RESULTS" 2>&1 \
+    | tee "$RESULTS/synthetic_curves.log" || status=1
+fi
+if [ -n "$PACK" ]; then tar czf "$PACK.tmp" "$RESULTS" && mv "$PACK.tmp" "$PACK"; fi
+exit $status
