@@ -19,6 +19,7 @@ DEVICE=${DEVICE:-cuda}
 ARGS=${ARGS:-}
 PACK=${PACK:-}
 PYTHON=${PYTHON:-python3}
+case "$DEVICE" in cuda | cpu) ;; *) echo "DEVICE must be cuda or cpu, got '$DEVICE'" >&2; exit 2 ;; esac
 mkdir -p "$RESULTS/runs"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
