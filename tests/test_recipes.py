@@ -670,7 +670,10 @@ def test_report_to_tensorboard_without_it_is_one_line(monkeypatch):
 
 def test_sigterm_before_the_first_checkpoint_leaves_no_output_folder(corpus, tmp_path):
     out = tmp_path / "new" / "run"
-    proc = start("wikitext2.py", "--output_dir", str(out), "--max_steps", "100000", *file_args(corpus), *TINY)
+    # No save before the signal, however fast the machine: a save at each epoch end (29 steps here) raced the
+    # one-second wait below.
+    proc = start("wikitext2.py", "--output_dir", str(out), "--max_steps", "100000", "--save_strategy", "steps",
+                 "--save_steps", "100000", *file_args(corpus), *TINY)  # fmt: skip
     try:
         deadline = time.monotonic() + 300
         while not out.is_dir() and proc.poll() is None:  # the Trainer made the folder: training is under way
