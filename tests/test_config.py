@@ -33,6 +33,22 @@ def test_defaults_are_valid_and_documented():
     assert CONFIG_NAME == "midx_config.json"
 
 
+def test_num_samples_defaults_to_the_negatives_modes_own(tmp_path):
+    """Unset, M is 20 per token but the shared pool, which serves a whole batch, is 1024; replace() moves a
+    mode's default along with the mode and keeps a value set by hand; the saved file holds the number."""
+    assert MidxConfig().num_samples == 20 and MidxConfig(num_samples=None).num_samples == 20
+    shared = MidxConfig(negatives="shared")
+    assert shared.num_samples == 1024
+    assert MidxConfig().replace(negatives="shared").num_samples == 1024
+    assert shared.replace(negatives="per-query").num_samples == 20
+    assert MidxConfig(num_samples=50).replace(negatives="shared").num_samples == 50
+    assert MidxConfig().replace(negatives="shared", num_samples=300).num_samples == 300
+    assert MidxConfig(negatives="shared", num_samples=64).num_samples == 64
+    shared.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / CONFIG_NAME).read_text())["num_samples"] == 1024
+    assert MidxConfig.from_pretrained(tmp_path).num_samples == 1024
+
+
 def test_sampler_options_default_is_not_shared():
     a, b = MidxConfig(), MidxConfig()
     a.sampler_options["sphere_alpha"] = 3.0
