@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -712,7 +713,7 @@ def test_synthetic_curves_tables_wikitext2_runs_against_the_full_softmax(trained
 
 
 def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path):
-    """The two reports of issue 16 on real (tiny) runs: paired differences, the exact KL split, purity."""
+    """The reports of issue 16 on real (tiny) runs: paired differences, the exact KL split, purity, held-out scores."""
     from recipes.benchmarks import synthetic_coverage, synthetic_curves
 
     runs = {}
@@ -771,3 +772,34 @@ def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path):
         assert all(math.isfinite(r[k]) and r[k] >= 0 for k in ("bias_w", "noise_w", "bias_z", "noise_z")), r
         assert -1 <= r["cos_w"] <= 1 + 1e-9 and (r["head_mass"] > 0) == (r["exact_head"] > 0)
     assert (tmp_path / "report" / "synthetic_gradient_midx-rq_s3.md").is_file()
+
+    from recipes import synthetic
+    from recipes.benchmarks import synthetic_heldout
+
+    # Scoring is the recipe's own exact evaluation: on the recipe's test blocks it gives its test loss.
+    syn, seq_len = runs["unigram"]["synthetic"], runs["unigram"]["data"]["seq_len"]
+    chain = synthetic.ZipfMarkovChain(2000, syn["zipf_exponent"], syn["num_clusters"], syn["successors"], 0)
+    test_blocks = torch.from_numpy(chain.sample_blocks(math.ceil(400 / seq_len), seq_len + 1, seed=[0, 2]))
+    nll = synthetic_heldout.token_nll(tmp_path / "unigram_s3", test_blocks)
+    assert nll.shape == (test_blocks.shape[0], seq_len)
+    assert math.isclose(nll.mean().item(), runs["unigram"]["test_loss"], rel_tol=1e-4)
+
+    held = synthetic_heldout.main([str(tmp_path / "midx-rq_s3"), str(tmp_path / "unigram_s3"), "--tokens", "800",
+                                   "--exact_head", "64", "--out", str(tmp_path / "report")])  # fmt: skip
+    by_sampler = {r["label"].split()[0]: r for r in held["runs"]}
+    midx, unigram = by_sampler["midx-rq"], by_sampler["unigram"]
+    vs = midx["vs"][unigram["label"]]
+    assert math.isclose(vs["pct"], 100 * math.expm1(midx["nll"] - unigram["nll"]), rel_tol=1e-6, abs_tol=1e-9)
+    assert vs["low"] < vs["pct"] < vs["high"] and math.isclose(sum(vs["bands_nats"]), vs["nats"], abs_tol=1e-9)
+    assert math.isclose(unigram["ratio"], held["runs"][1]["perplexity"] / held["oracle_perplexity"], rel_tol=1e-9)
+    (row,) = held["summary"]["vs unigram"]
+    assert row["seeds"] == [3] and row["pct"] == [vs["pct"]] and row["sd"] is None
+    assert held["summary"]["vs full"] == [] and (tmp_path / "report" / "synthetic_heldout.md").is_file()
+    # Runs of another chain are refused rather than scored on the wrong one's tokens.
+    other = tmp_path / "other_s3"
+    shutil.copytree(tmp_path / "unigram_s3", other)
+    results = json.loads((other / "results.json").read_text())
+    results["synthetic"]["corpus_seed"] = 1
+    (other / "results.json").write_text(json.dumps(results))
+    with pytest.raises(SystemExit, match="different chains"):
+        synthetic_heldout.main([str(tmp_path / "midx-rq_s3"), str(other), "--out", str(tmp_path / "report")])

@@ -1,0 +1,200 @@
+"""Finished ``recipes/large_vocab.py`` runs scored on many fresh tokens of their chain, with standard errors.
+
+The recipe's test split is small (10,000 tokens by default) and the same for every run, so a difference of a
+few tenths of a percent between two runs may be the split's luck rather than the models'. This script draws
+N fresh tokens from the runs' own chain (blocks of the recipe's length, from a seed stream that no recipe
+split uses) and scores every run's saved model on them with the exact softmax:
+
+* per run: NLL in nats per token, perplexity, and its ratio to the true chain's perplexity on the same
+  tokens (exp(NLL - the chain's NLL): the sample's own optimum, less noisy than exp(H));
+* per configuration (sampler, M, H, K, ...; ``synthetic_curves.config_label``) and seed: the paired
+  difference to ``unigram`` with the same M and H and to ``full``, in % of perplexity, with a 95% interval
+  from the blocks (blocks are independent runs of the chain: their mean NLLs are i.i.d.), then the mean and
+  standard deviation of the per-seed differences;
+* where each difference lies: its split by the next word's frequency band (ranks [0, H), [H, 10H), [10H, V)),
+  in nats per token, summing to the whole difference.
+
+Run: ``python recipes/benchmarks/synthetic_heldout.py runs/v100k/*_s* --tokens 100000 --out results/cpu-synthetic``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+
+import torch
+
+if __package__:
+    from . import common, synthetic_curves
+else:  # run as a file: this folder is first on sys.path
+    import common
+    import synthetic_curves
+
+synthetic = common.import_recipe("synthetic")
+
+NAME = "synthetic_heldout"
+#: Seed stream of the fresh blocks: the recipe's splits use [corpus_seed, 0..2], synthetic_coverage [.., 99, ..].
+STREAM = 98
+#: Logits per forward pass, at most (float32: 256 MB).
+LOGITS_PER_BATCH = 2**26
+
+
+def load_runs(run_dirs: list[Path]) -> tuple[list[dict], dict, int]:
+    """The runs' ``results.json`` with their label and seed; the chain settings and block length they share."""
+    runs, chains = [], set()
+    for run_dir in run_dirs:
+        try:
+            results = json.loads((run_dir / "results.json").read_text())
+            syn, seq_len = results["synthetic"], results["data"]["seq_len"]
+        except (OSError, ValueError, KeyError) as err:
+            raise SystemExit(f"{run_dir}: not a large_vocab run ({err}).") from None
+        if not results.get("complete") or not (run_dir / "config.json").is_file():
+            raise SystemExit(f"{run_dir}: the run did not finish (no complete results.json and saved model).")
+        keys = ("vocab_size", "zipf_exponent", "num_clusters", "successors", "corpus_seed")
+        chains.add((tuple(syn[k] for k in keys), seq_len))
+        label = synthetic_curves.config_label(results)
+        runs.append({"dir": run_dir, "label": label, "seed": synthetic_curves.run_seed(results, run_dir)})
+    if len(chains) != 1:
+        raise SystemExit(f"The runs come from {len(chains)} different chains or block lengths; score one at a time.")
+    (settings, seq_len), = chains
+    seen = {}
+    for r in runs:
+        if seen.setdefault((r["label"], r["seed"]), r["dir"]) != r["dir"]:
+            other = seen[(r["label"], r["seed"])]
+            raise SystemExit(f"{r['dir']} and {other} are both {r['label']}, seed {r['seed']}: give one of them.")
+    return runs, dict(zip(keys, settings)), seq_len
+
+
+@torch.no_grad()
+def token_nll(run_dir: Path, blocks: torch.Tensor) -> torch.Tensor:
+    """(B, L) float64 exact NLL of each predicted token of (B, L + 1) int64 ``blocks`` under the run's model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir).eval()
+    vocab, length = model.get_output_embeddings().weight.shape[0], blocks.shape[1] - 1
+    step = max(1, LOGITS_PER_BATCH // (vocab * length))
+    out = []
+    for chunk in blocks.split(step):
+        logits = model(chunk[:, :-1]).logits.float()
+        out.append(torch.nn.functional.cross_entropy(logits.transpose(1, 2), chunk[:, 1:], reduction="none").double())
+    return torch.cat(out)
+
+
+def band_edges(vocab: int, head: int) -> list[int]:
+    return [0, head, min(10 * head, vocab), vocab] if head else [0, vocab // 100, vocab // 10, vocab]
+
+
+def paired(nll: torch.Tensor, base: torch.Tensor, nexts: torch.Tensor, edges: list[int]) -> dict:
+    """The difference of two (B, L) NLLs on the same tokens: in % of perplexity with a 95% interval from the
+    block means, and in nats per token by the next word's band (the bands sum to the total)."""
+    per_block = (nll - base).mean(1)
+    diff, se = per_block.mean().item(), per_block.std().item() / math.sqrt(per_block.numel())
+    pct = lambda d: 100 * math.expm1(d)  # noqa: E731
+    bands = [((nll - base) * ((nexts >= lo) & (nexts < hi))).sum().item() / nll.numel()
+             for lo, hi in zip(edges, edges[1:])]  # fmt: skip
+    return {"pct": pct(diff), "low": pct(diff - 1.96 * se), "high": pct(diff + 1.96 * se), "nats": diff,
+            "se_nats": se, "bands_nats": bands}  # fmt: skip
+
+
+def summarize(runs: list[dict], baseline_of) -> list[dict]:
+    """Per configuration other than its baseline: the per-seed paired differences and their mean +- sd."""
+    groups: dict[str, dict[int, dict]] = {}
+    for r in runs:
+        groups.setdefault(r["label"], {})[r["seed"]] = r
+    rows = []
+    for label, by_seed in sorted(groups.items()):
+        base_label = baseline_of(label)
+        if base_label is None or base_label not in groups or base_label == label:
+            continue
+        seeds = sorted(set(by_seed) & set(groups[base_label]))
+        diffs = [by_seed[s]["vs"][base_label] for s in seeds]
+        if not diffs:
+            continue
+        pcts = [d["pct"] for d in diffs]
+        rows.append({
+            "config": label, "baseline": base_label, "seeds": seeds, "pct": pcts,
+            "mean": statistics.fmean(pcts), "sd": statistics.stdev(pcts) if len(pcts) > 1 else None,
+            "bands_nats": [statistics.fmean(band) for band in zip(*(d["bands_nats"] for d in diffs))],
+        })  # fmt: skip
+    return rows
+
+
+def unigram_of(label: str) -> str | None:
+    m_h = re.search(r"( M=\d+ H=\d+)", label)
+    return f"unigram{m_h.group(1)}" if m_h and not label.startswith("unigram") else None
+
+
+def main(argv=None) -> dict:
+    p = common.base_parser(__doc__.split("\n\n")[0], timed=False, plots=False)
+    p.add_argument("run_dirs", type=Path, nargs="+", help="output folders of finished recipes/large_vocab.py runs")
+    p.add_argument("--tokens", type=int, default=100_000, help="N fresh predicted tokens (rounded up to blocks)")
+    p.add_argument("--exact_head", type=int, default=2048, help="H of the frequency bands (0: V/100 and V/10)")
+    p.add_argument("--tag", default=None, help="suffix of the output names")
+    args = common.parse(p, argv)
+    if args.tokens < 2 or args.exact_head < 0:
+        raise SystemExit("--tokens must be >= 2 and --exact_head >= 0.")
+    runs, syn, seq_len = load_runs(args.run_dirs)
+    chain = synthetic.ZipfMarkovChain(
+        syn["vocab_size"], syn["zipf_exponent"], syn["num_clusters"], syn["successors"], syn["corpus_seed"]
+    )
+    num_blocks = max(2, math.ceil(args.tokens / seq_len))
+    blocks = chain.sample_blocks(num_blocks, seq_len + 1, seed=[syn["corpus_seed"], STREAM, args.seed])
+    oracle = -torch.from_numpy(chain.log_prob(blocks))  # (B, L) float64
+    blocks = torch.from_numpy(blocks)
+    nexts, edges = blocks[:, 1:], band_edges(chain.vocab_size, args.exact_head)
+    nll = {}
+    for r in runs:
+        nll[r["dir"]] = token_nll(r["dir"], blocks)
+        mean = nll[r["dir"]].mean().item()
+        r.update(nll=mean, perplexity=math.exp(mean), ratio=math.exp(mean - oracle.mean().item()))
+        print(f"{r['dir']}: {r['label']} seed {r['seed']}: perplexity {r['perplexity']:.2f}, "
+              f"{r['ratio']:.4f}x the chain's", flush=True)  # fmt: skip
+    by_key = {(r["label"], r["seed"]): r for r in runs}
+    for r in runs:
+        r["vs"] = {}
+        for base_label in {unigram_of(r["label"]), "full"} - {None, r["label"]}:
+            base = by_key.get((base_label, r["seed"]))
+            if base is not None:
+                r["vs"][base_label] = paired(nll[r["dir"]], nll[base["dir"]], nexts, edges)
+    summary = {"vs unigram": summarize(runs, unigram_of), "vs full": summarize(runs, lambda label: "full")}
+
+    bands = [f"[{lo:,}, {hi:,})" for lo, hi in zip(edges, edges[1:])]
+    label_share = [((nexts >= lo) & (nexts < hi)).double().mean().item() for lo, hi in zip(edges, edges[1:])]
+    oracle_ppl = math.exp(oracle.mean().item())
+    fmt_vs = lambda d: f"{d['pct']:+.2f}% [{d['low']:+.2f}, {d['high']:+.2f}]"  # noqa: E731
+    vs_unigram = lambda r: next((fmt_vs(d) for k, d in r["vs"].items() if k != "full"), None)  # noqa: E731
+    vs_full = lambda r: fmt_vs(r["vs"]["full"]) if "full" in r["vs"] else None  # noqa: E731
+    columns = [("run", lambda r: Path(r["dir"]).name), ("configuration", "label"), ("seed", "seed"),
+               ("perplexity", lambda r: f"{r['perplexity']:.2f}"), ("/ chain's", lambda r: f"{r['ratio']:.4f}"),
+               ("vs unigram, same seed (95%)", vs_unigram), ("vs full, same seed (95%)", vs_full)]  # fmt: skip
+    mean_sd = lambda r: f"{r['mean']:+.2f}%" + ("" if r["sd"] is None else f" ± {r['sd']:.2f}")  # noqa: E731
+    summary_columns = [("configuration", "config"), ("against", "baseline"),
+                       ("seeds", lambda r: ", ".join(map(str, r["seeds"]))),
+                       ("per seed", lambda r: ", ".join(f"{x:+.2f}%" for x in r["pct"])), ("mean ± sd", mean_sd),
+                       *[(f"nats/token, next word in {b}", lambda r, i=i: f"{r['bands_nats'][i]:+.4f}")
+                         for i, b in enumerate(bands)]]  # fmt: skip
+    md = (
+        f"# {NAME}\n\n{len(blocks) * seq_len:,} fresh tokens ({len(blocks):,} blocks of {seq_len}) of the chain "
+        f"(V = {chain.vocab_size:,}, corpus seed {syn['corpus_seed']}, stream seed {args.seed}); the chain's own "
+        f"perplexity on them {oracle_ppl:.2f} (exp(H) = {math.exp(chain.entropy_rate()):.2f}). Share of the tokens "
+        f"by the next word's rank: " + ", ".join(f"{b} {s:.3f}" for b, s in zip(bands, label_share)) + ".\n\n"
+        + common.markdown_table(runs, columns)
+        + "\n\n## Paired differences over seeds (in % of the baseline's perplexity; by band in nats per token)\n\n"
+        + common.markdown_table(summary["vs unigram"] + summary["vs full"], summary_columns)
+    )
+    settings = {"run_dirs": [str(d) for d in args.run_dirs], "tokens": len(blocks) * seq_len, "blocks": len(blocks),
+                "seed": args.seed, "exact_head": args.exact_head, "synthetic": syn}  # fmt: skip
+    payload = {
+        "settings": settings, "oracle_perplexity": oracle_ppl, "bands": bands, "label_share": label_share,
+        "runs": [{k: (str(v) if k == "dir" else v) for k, v in r.items()} for r in runs], "summary": summary,
+    }  # fmt: skip
+    common.write_outputs(args.out, NAME + (f"_{args.tag}" if args.tag else ""), payload, md)
+    print(md)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
