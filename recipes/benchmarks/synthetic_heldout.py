@@ -78,8 +78,9 @@ def token_nll(run_dir: Path, blocks: torch.Tensor) -> torch.Tensor:
     step = max(1, LOGITS_PER_BATCH // (vocab * length))
     out = []
     for chunk in blocks.split(step):
-        logits = model(chunk[:, :-1]).logits.float()
-        out.append(torch.nn.functional.cross_entropy(logits.transpose(1, 2), chunk[:, 1:], reduction="none").double())
+        logits = model(chunk[:, :-1]).logits.float().flatten(0, 1)  # (b * L, V)
+        nll = torch.nn.functional.cross_entropy(logits, chunk[:, 1:].flatten(), reduction="none")
+        out.append(nll.double().view(-1, length))
     return torch.cat(out)
 
 
