@@ -59,7 +59,7 @@ def free_port() -> int:
 SCRIPTS = {"recipes/wikitext2.py", "recipes/large_vocab.py"}
 QUICK = {
     "recipes/wikitext2.py": ["--max_eval_samples", "8"],
-    "recipes/large_vocab.py": ["--train_tokens", "2000", "--eval_tokens", "400"],
+    "recipes/large_vocab.py": ["--train_tokens", "2000", "--eval_tokens", "400", "--test_tokens", "400"],
 }
 
 

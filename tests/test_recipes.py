@@ -634,10 +634,12 @@ def test_large_vocab_reports_optimal_and_achieved_perplexity(tmp_path):
     out = tmp_path / "large"
     result = run_recipe(
         "large_vocab.py", "--output_dir", str(out), "--vocab_size", "5000", "--max_steps", "10",
-        "--train_tokens", "3000", "--eval_tokens", "800", "--num_samples", "50", "--codebook_size", "16", *TINY,
+        "--train_tokens", "3000", "--eval_tokens", "800", "--test_tokens", "1200", "--num_samples", "50",
+        "--codebook_size", "16", *TINY,
     )  # fmt: skip
     check_ok(result)
     results = json.loads((out / "results.json").read_text())
+    assert results["data"]["valid_tokens"] == 800 and results["data"]["test_tokens"] == 1200  # 16-token blocks
     expected = ZipfMarkovChain(5000).entropy_rate_perplexity()
     assert math.isclose(results["optimal_perplexity"], expected, rel_tol=1e-12)
     assert math.isclose(results["synthetic"]["entropy_rate_perplexity"], expected, rel_tol=1e-12)
@@ -721,8 +723,8 @@ def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path):
         out = tmp_path / f"{sampler}_s3"
         result = run_recipe(
             "large_vocab.py", "--output_dir", str(out), "--vocab_size", "2000", "--max_steps", "6",
-            "--train_tokens", "2000", "--eval_tokens", "400", "--num_samples", "20", "--codebook_size", "16",
-            "--exact_head", "64", "--sampler", sampler, "--seed", "3", "--eval_strategy", "steps",
+            "--train_tokens", "2000", "--eval_tokens", "400", "--test_tokens", "400", "--num_samples", "20",
+            "--codebook_size", "16", "--exact_head", "64", "--sampler", sampler, "--seed", "3", "--eval_strategy", "steps",
             "--eval_steps", "3", "--save_strategy", "no", *TINY,
         )  # fmt: skip
         check_ok(result)

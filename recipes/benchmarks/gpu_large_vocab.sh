@@ -25,8 +25,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$DEVICE" = cpu ]; then
   # Tiny corpus and model, a few steps: checks the commands and the table, not the figures.
-  size=(--use_cpu --vocab_size 3000 --train_tokens 8000 --eval_tokens 500 --max_steps 6 --eval_steps 3
-        --logging_steps 2 --per_device_train_batch_size 4 --per_device_eval_batch_size 4 --exact_head 64
+  size=(--use_cpu --vocab_size 3000 --train_tokens 8000 --eval_tokens 500 --test_tokens 500 --max_steps 6
+        --eval_steps 3 --logging_steps 2 --per_device_train_batch_size 4 --per_device_eval_batch_size 4 --exact_head 64
         --refresh_every_steps 2 --config_overrides n_embd=16,n_inner=32,n_layer=1,n_head=2)
 else
   size=()
