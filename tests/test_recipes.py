@@ -797,6 +797,21 @@ def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path):
     (row,) = held["summary"]["vs unigram"]
     assert row["seeds"] == [3] and row["pct"] == [vs["pct"]] and row["sd"] is None
     assert held["summary"]["vs full"] == [] and (tmp_path / "report" / "synthetic_heldout.md").is_file()
+    # Scored in two calls and merged, the runs give the joint call's figures; other tokens are refused.
+    outs = []
+    for name in ("midx-rq_s3", "unigram_s3"):
+        outs.append(str(tmp_path / "part" / name / "synthetic_heldout.json"))
+        synthetic_heldout.main([str(tmp_path / name), "--tokens", "800", "--exact_head", "64",
+                                "--out", str(Path(outs[-1]).parent)])  # fmt: skip
+    merged = synthetic_heldout.main(["--merge", *outs, "--out", str(tmp_path / "merged")])
+    assert merged["summary"] == held["summary"]
+    assert [r["nll"] for r in merged["runs"]] == [r["nll"] for r in held["runs"]]
+    synthetic_heldout.main([str(tmp_path / "unigram_s3"), "--tokens", "960", "--exact_head", "64",
+                            "--out", str(tmp_path / "part" / "more")])  # fmt: skip
+    with pytest.raises(SystemExit, match="scored other tokens"):
+        synthetic_heldout.main(["--merge", outs[0], str(tmp_path / "part" / "more" / "synthetic_heldout.json")])
+    with pytest.raises(SystemExit, match="not both or neither"):
+        synthetic_heldout.main([str(tmp_path / "unigram_s3"), "--merge", outs[0]])
     # Runs of another chain are refused rather than scored on the wrong one's tokens.
     other = tmp_path / "other_s3"
     shutil.copytree(tmp_path / "unigram_s3", other)

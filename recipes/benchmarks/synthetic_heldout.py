@@ -14,7 +14,11 @@ split uses) and scores every run's saved model on them with the exact softmax:
 * where each difference lies: its split by the next word's frequency band (ranks [0, H), [H, 10H), [10H, V)),
   in nats per token, summing to the whole difference.
 
-Run: ``python recipes/benchmarks/synthetic_heldout.py runs/v100k/*_s* --tokens 100000 --out results/cpu-synthetic``.
+The JSON keeps each run's per-block scores, so ``--merge`` tables outputs of separate calls on the same tokens
+(same chain, ``--tokens``, ``--seed`` and ``--exact_head``) together without scoring again.
+
+Run: ``python recipes/benchmarks/synthetic_heldout.py runs/v100k/*_s* --tokens 100000 --out results/cpu-synthetic``,
+or ``--merge OUT1/synthetic_heldout.json OUT2/synthetic_heldout.json --out OUT``.
 """
 
 from __future__ import annotations
@@ -60,11 +64,6 @@ def load_runs(run_dirs: list[Path]) -> tuple[list[dict], dict, int]:
     if len(chains) != 1:
         raise SystemExit(f"The runs come from {len(chains)} different chains or block lengths; score one at a time.")
     (settings, seq_len), = chains
-    seen = {}
-    for r in runs:
-        if seen.setdefault((r["label"], r["seed"]), r["dir"]) != r["dir"]:
-            other = seen[(r["label"], r["seed"])]
-            raise SystemExit(f"{r['dir']} and {other} are both {r['label']}, seed {r['seed']}: give one of them.")
     return runs, dict(zip(keys, settings)), seq_len
 
 
@@ -88,16 +87,25 @@ def band_edges(vocab: int, head: int) -> list[int]:
     return [0, head, min(10 * head, vocab), vocab] if head else [0, vocab // 100, vocab // 10, vocab]
 
 
-def paired(nll: torch.Tensor, base: torch.Tensor, nexts: torch.Tensor, edges: list[int]) -> dict:
-    """The difference of two (B, L) NLLs on the same tokens: in % of perplexity with a 95% interval from the
-    block means, and in nats per token by the next word's band (the bands sum to the total)."""
-    per_block = (nll - base).mean(1)
+def block_scores(nll: torch.Tensor, nexts: torch.Tensor, edges: list[int]) -> dict:
+    """What the comparisons need of a (B, L) NLL: each block's mean (B,) and its sum per band of the next
+    word's rank (B, bands), as lists (JSON, for --merge)."""
+    bands = torch.stack([(nll * ((nexts >= lo) & (nexts < hi))).sum(1) for lo, hi in zip(edges, edges[1:])], 1)
+    return {"block_nll": nll.mean(1).tolist(), "block_band_nll": bands.tolist()}
+
+
+def paired(run: dict, base: dict, length: int) -> dict:
+    """The difference of two runs on the same blocks: in % of perplexity with a 95% interval from the block
+    means, and in nats per token by the next word's band (the bands sum to the total)."""
+    def minus(key: str) -> torch.Tensor:
+        return torch.tensor(run[key], dtype=torch.float64) - torch.tensor(base[key], dtype=torch.float64)
+
+    per_block = minus("block_nll")
     diff, se = per_block.mean().item(), per_block.std().item() / math.sqrt(per_block.numel())
+    bands = minus("block_band_nll").sum(0)
     pct = lambda d: 100 * math.expm1(d)  # noqa: E731
-    bands = [((nll - base) * ((nexts >= lo) & (nexts < hi))).sum().item() / nll.numel()
-             for lo, hi in zip(edges, edges[1:])]  # fmt: skip
     return {"pct": pct(diff), "low": pct(diff - 1.96 * se), "high": pct(diff + 1.96 * se), "nats": diff,
-            "se_nats": se, "bands_nats": bands}  # fmt: skip
+            "se_nats": se, "bands_nats": (bands / (per_block.numel() * length)).tolist()}  # fmt: skip
 
 
 def summarize(runs: list[dict], baseline_of) -> list[dict]:
@@ -128,15 +136,16 @@ def unigram_of(label: str) -> str | None:
     return f"unigram{m_h.group(1)}" if m_h and not label.startswith("unigram") else None
 
 
-def main(argv=None) -> dict:
-    p = common.base_parser(__doc__.split("\n\n")[0], timed=False, plots=False)
-    p.add_argument("run_dirs", type=Path, nargs="+", help="output folders of finished recipes/large_vocab.py runs")
-    p.add_argument("--tokens", type=int, default=100_000, help="N fresh predicted tokens (rounded up to blocks)")
-    p.add_argument("--exact_head", type=int, default=2048, help="H of the frequency bands (0: V/100 and V/10)")
-    p.add_argument("--tag", default=None, help="suffix of the output names")
-    args = common.parse(p, argv)
-    if args.tokens < 2 or args.exact_head < 0:
-        raise SystemExit("--tokens must be >= 2 and --exact_head >= 0.")
+def check_unique(runs: list[dict]) -> None:
+    seen = {}
+    for r in runs:
+        other = seen.setdefault((r["label"], r["seed"]), r["dir"])
+        if other != r["dir"]:
+            raise SystemExit(f"{r['dir']} and {other} are both {r['label']}, seed {r['seed']}: give one of them.")
+
+
+def score(args) -> tuple[dict, list[dict]]:
+    """Draw the fresh blocks and score every run on them: (settings, runs with their block scores)."""
     runs, syn, seq_len = load_runs(args.run_dirs)
     chain = synthetic.ZipfMarkovChain(
         syn["vocab_size"], syn["zipf_exponent"], syn["num_clusters"], syn["successors"], syn["corpus_seed"]
@@ -146,25 +155,67 @@ def main(argv=None) -> dict:
     oracle = -torch.from_numpy(chain.log_prob(blocks))  # (B, L) float64
     blocks = torch.from_numpy(blocks)
     nexts, edges = blocks[:, 1:], band_edges(chain.vocab_size, args.exact_head)
-    nll = {}
+    settings = {"synthetic": syn, "seq_len": seq_len, "blocks": num_blocks, "tokens": num_blocks * seq_len,
+                "seed": args.seed, "exact_head": args.exact_head, "bands": edges,
+                "exp_entropy_rate": math.exp(chain.entropy_rate()),
+                "label_share": [((nexts >= lo) & (nexts < hi)).double().mean().item()
+                                for lo, hi in zip(edges, edges[1:])],
+                "oracle": block_scores(oracle, nexts, edges)}  # fmt: skip
     for r in runs:
-        nll[r["dir"]] = token_nll(r["dir"], blocks)
-        mean = nll[r["dir"]].mean().item()
-        r.update(nll=mean, perplexity=math.exp(mean), ratio=math.exp(mean - oracle.mean().item()))
-        print(f"{r['dir']}: {r['label']} seed {r['seed']}: perplexity {r['perplexity']:.2f}, "
-              f"{r['ratio']:.4f}x the chain's", flush=True)  # fmt: skip
+        r.update(block_scores(token_nll(r["dir"], blocks), nexts, edges))
+        r["dir"] = str(r["dir"])
+        print(f"{r['dir']}: {r['label']} seed {r['seed']}: scored", flush=True)
+    return settings, runs
+
+
+def merge(paths: list[Path]) -> tuple[dict, list[dict]]:
+    """Earlier outputs of this script on the same tokens, as one set of runs."""
+    settings, runs = None, []
+    for path in paths:
+        try:
+            payload = json.loads(path.read_text())
+            these, more = payload["settings"], payload["runs"]
+        except (OSError, ValueError, KeyError) as err:
+            raise SystemExit(f"{path}: not a synthetic_heldout output ({err}).") from None
+        these = {k: v for k, v in these.items() if k not in ("run_dirs", "merged")}
+        if settings is not None and these != settings:
+            raise SystemExit(f"{path} scored other tokens (chain, blocks, stream seed or bands) than {paths[0]}.")
+        settings = these
+        runs += [{k: v for k, v in r.items() if k != "vs"} for r in more]
+    return settings, runs
+
+
+def main(argv=None) -> dict:
+    p = common.base_parser(__doc__.split("\n\n")[0], timed=False, plots=False)
+    p.add_argument("run_dirs", type=Path, nargs="*", help="output folders of finished recipes/large_vocab.py runs")
+    p.add_argument("--tokens", type=int, default=100_000, help="N fresh predicted tokens (rounded up to blocks)")
+    p.add_argument("--exact_head", type=int, default=2048, help="H of the frequency bands (0: V/100 and V/10)")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="table earlier outputs of this script (same tokens) together instead of scoring runs")
+    p.add_argument("--tag", default=None, help="suffix of the output names")
+    args = common.parse(p, argv)
+    if args.tokens < 2 or args.exact_head < 0:
+        raise SystemExit("--tokens must be >= 2 and --exact_head >= 0.")
+    if bool(args.merge) == bool(args.run_dirs):
+        raise SystemExit("Give either run folders to score or --merge with earlier outputs, not both or neither.")
+    settings, runs = merge(args.merge) if args.merge else score(args)
+    check_unique(runs)
+    oracle, length = settings["oracle"], settings["seq_len"]
+    oracle_nll = statistics.fmean(oracle["block_nll"])
+    for r in runs:
+        r["nll"] = statistics.fmean(r["block_nll"])
+        r["perplexity"], r["ratio"] = math.exp(r["nll"]), math.exp(r["nll"] - oracle_nll)
     by_key = {(r["label"], r["seed"]): r for r in runs}
     for r in runs:
         r["vs"] = {}
         for base_label in {unigram_of(r["label"]), "full"} - {None, r["label"]}:
             base = by_key.get((base_label, r["seed"]))
             if base is not None:
-                r["vs"][base_label] = paired(nll[r["dir"]], nll[base["dir"]], nexts, edges)
+                r["vs"][base_label] = paired(r, base, length)
     summary = {"vs unigram": summarize(runs, unigram_of), "vs full": summarize(runs, lambda label: "full")}
 
+    edges = settings["bands"]
     bands = [f"[{lo:,}, {hi:,})" for lo, hi in zip(edges, edges[1:])]
-    label_share = [((nexts >= lo) & (nexts < hi)).double().mean().item() for lo, hi in zip(edges, edges[1:])]
-    oracle_ppl = math.exp(oracle.mean().item())
     fmt_vs = lambda d: f"{d['pct']:+.2f}% [{d['low']:+.2f}, {d['high']:+.2f}]"  # noqa: E731
     vs_unigram = lambda r: next((fmt_vs(d) for k, d in r["vs"].items() if k != "full"), None)  # noqa: E731
     vs_full = lambda r: fmt_vs(r["vs"]["full"]) if "full" in r["vs"] else None  # noqa: E731
@@ -177,21 +228,20 @@ def main(argv=None) -> dict:
                        ("per seed", lambda r: ", ".join(f"{x:+.2f}%" for x in r["pct"])), ("mean ± sd", mean_sd),
                        *[(f"nats/token, next word in {b}", lambda r, i=i: f"{r['bands_nats'][i]:+.4f}")
                          for i, b in enumerate(bands)]]  # fmt: skip
+    syn = settings["synthetic"]
     md = (
-        f"# {NAME}\n\n{len(blocks) * seq_len:,} fresh tokens ({len(blocks):,} blocks of {seq_len}) of the chain "
-        f"(V = {chain.vocab_size:,}, corpus seed {syn['corpus_seed']}, stream seed {args.seed}); the chain's own "
-        f"perplexity on them {oracle_ppl:.2f} (exp(H) = {math.exp(chain.entropy_rate()):.2f}). Share of the tokens "
-        f"by the next word's rank: " + ", ".join(f"{b} {s:.3f}" for b, s in zip(bands, label_share)) + ".\n\n"
+        f"# {NAME}\n\n{settings['tokens']:,} fresh tokens ({settings['blocks']:,} blocks of {length}) of the chain "
+        f"(V = {syn['vocab_size']:,}, corpus seed {syn['corpus_seed']}, stream seed {settings['seed']}); the chain's "
+        f"own perplexity on them {math.exp(oracle_nll):.2f} (exp(H) = {settings['exp_entropy_rate']:.2f}). Share of "
+        "the tokens by the next word's rank: "
+        + ", ".join(f"{b} {s:.3f}" for b, s in zip(bands, settings["label_share"])) + ".\n\n"
         + common.markdown_table(runs, columns)
         + "\n\n## Paired differences over seeds (in % of the baseline's perplexity; by band in nats per token)\n\n"
         + common.markdown_table(summary["vs unigram"] + summary["vs full"], summary_columns)
     )
-    settings = {"run_dirs": [str(d) for d in args.run_dirs], "tokens": len(blocks) * seq_len, "blocks": len(blocks),
-                "seed": args.seed, "exact_head": args.exact_head, "synthetic": syn}  # fmt: skip
-    payload = {
-        "settings": settings, "oracle_perplexity": oracle_ppl, "bands": bands, "label_share": label_share,
-        "runs": [{k: (str(v) if k == "dir" else v) for k, v in r.items()} for r in runs], "summary": summary,
-    }  # fmt: skip
+    sources = {"merged": [str(x) for x in args.merge]} if args.merge else {"run_dirs": [str(d) for d in args.run_dirs]}
+    payload = {"settings": {**settings, **sources}, "oracle_perplexity": math.exp(oracle_nll), "runs": runs,
+               "summary": summary}  # fmt: skip
     common.write_outputs(args.out, NAME + (f"_{args.tag}" if args.tag else ""), payload, md)
     print(md)
     return payload
