@@ -68,8 +68,8 @@ class SyntheticArguments:
         default=100_000,
         metadata={
             "help": "Predicted tokens in the test blocks (scored once, at the end). 10,000 could not tell apart "
-            "runs a few tenths of a percent apart (the difference moved by 0.4% between two test samples); "
-            "100,000 give a paired difference to about +-0.2% (95%)."
+            "runs a few tenths of a percent apart (a difference moved by 0.4 points between two test samples); "
+            "100,000 give a paired difference to about 0.2 points either way (95 percent interval)."
         },
     )
 
