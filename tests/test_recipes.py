@@ -714,7 +714,7 @@ def test_synthetic_curves_tables_wikitext2_runs_against_the_full_softmax(trained
     assert f"## WikiText-2, V = {vocab:,}\n" in text and "optimum" not in text
 
 
-def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path):
+def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path, monkeypatch):
     """The reports of issue 16 on real (tiny) runs: paired differences, the exact KL split, purity, held-out scores."""
     from recipes.benchmarks import synthetic_coverage, synthetic_curves
 
@@ -810,6 +810,11 @@ def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path):
                             "--out", str(tmp_path / "part" / "more")])  # fmt: skip
     with pytest.raises(SystemExit, match="scored other tokens"):
         synthetic_heldout.main(["--merge", outs[0], str(tmp_path / "part" / "more" / "synthetic_heldout.json")])
+    # The same configuration and seed twice is refused before any scoring.
+    shutil.copytree(tmp_path / "unigram_s3", tmp_path / "again_s3")
+    monkeypatch.setattr(synthetic_heldout, "token_nll", lambda *args: pytest.fail("scored a run"))
+    with pytest.raises(SystemExit, match="are both unigram M=20 H=64, seed 3"):
+        synthetic_heldout.main([str(tmp_path / "unigram_s3"), str(tmp_path / "again_s3"), "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="not both or neither"):
         synthetic_heldout.main([str(tmp_path / "unigram_s3"), "--merge", outs[0]])
     # Runs of another chain are refused rather than scored on the wrong one's tokens.

@@ -147,6 +147,7 @@ def check_unique(runs: list[dict]) -> None:
 def score(args) -> tuple[dict, list[dict]]:
     """Draw the fresh blocks and score every run on them: (settings, runs with their block scores)."""
     runs, syn, seq_len = load_runs(args.run_dirs)
+    check_unique(runs)  # before minutes of scoring
     chain = synthetic.ZipfMarkovChain(
         syn["vocab_size"], syn["zipf_exponent"], syn["num_clusters"], syn["successors"], syn["corpus_seed"]
     )
@@ -199,7 +200,8 @@ def main(argv=None) -> dict:
     if bool(args.merge) == bool(args.run_dirs):
         raise SystemExit("Give either run folders to score or --merge with earlier outputs, not both or neither.")
     settings, runs = merge(args.merge) if args.merge else score(args)
-    check_unique(runs)
+    if args.merge:
+        check_unique(runs)
     oracle, length = settings["oracle"], settings["seq_len"]
     oracle_nll = statistics.fmean(oracle["block_nll"])
     for r in runs:
