@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 import typing
 import warnings
@@ -80,8 +81,7 @@ def midx_arguments(**defaults: Any) -> type:
             help_text += " Given as JSON, e.g. '{\"rff_temperature\": 2.0}'."
         if f.name == "sampler":
             help_text += f" Or '{FULL}': no sampling, the plain Trainer with the full softmax (the baseline)."
-        # argparse %-formats help strings (for %(default)s): a literal percent sign must be doubled.
-        specs.append((f.name, kind, field(default=default, metadata={"help": help_text.replace("%", "%%")})))
+        specs.append((f.name, kind, field(default=default, metadata={"help": help_text})))
     cls = dataclasses.make_dataclass("MidxArguments", specs)
     cls.__doc__ = "MIDX options (hf_midx.MidxConfig's fields), or --sampler full for the full-softmax baseline."
     return cls
@@ -151,7 +151,13 @@ def _one_line_parser(dataclass_types, description: str = ""):
         """Defaults in the help (as HfArgumentParser shows them), the description's example lines as written."""
 
     # allow_abbrev=False: "--num_sample 5" is an error, not "--num_samples 5" taken silently.
-    return OneLineParser(dataclass_types, description=description, formatter_class=Formatter, allow_abbrev=False)
+    parser = OneLineParser(dataclass_types, description=description, formatter_class=Formatter, allow_abbrev=False)
+    for action in parser._actions:  # argparse keeps no public list of its actions
+        if isinstance(action.help, str):
+            # argparse %-formats help strings (for %(default)s): a literal percent sign in any dataclass's help
+            # text ("100%") would break --help unless doubled; one already doubled or starting %(...) is kept.
+            action.help = re.sub(r"(?<!%)%(?![(%])", "%%", action.help)
+    return parser
 
 
 def _short_help(parser, argv: Sequence[str]) -> None:
