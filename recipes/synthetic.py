@@ -145,6 +145,15 @@ class ZipfMarkovChain:
         self._edge_ids = self.edge_from * c + self.edge_to  # sorted: lookup of T(c, c') by id
         self._edge_keys = self.edge_from + _cumulative_within(self.edge_from, self.edge_prob)
 
+    #: The ``synthetic`` entries of a run's ``results.json`` that fix its chain.
+    FACT_KEYS = ("vocab_size", "zipf_exponent", "num_clusters", "successors", "corpus_seed")
+
+    @classmethod
+    def from_facts(cls, facts: dict) -> "ZipfMarkovChain":
+        """The chain of a finished run, from the ``synthetic`` entry of its ``results.json`` (as ``large_vocab.py``
+        writes it; the keys are ``FACT_KEYS``)."""
+        return cls(*(facts[k] for k in cls.FACT_KEYS))
+
     # ------------------------------------------------------------------ exact quantities
     def entropy_rate(self) -> float:
         """H in nats per token (exact; see the module docstring)."""

@@ -82,9 +82,7 @@ def load_run(run_dir: Path, contexts: int, seed: int) -> dict:
         syn = results["synthetic"]
     except (OSError, ValueError, KeyError) as err:
         raise SystemExit(f"{run_dir}: not a large_vocab run ({err}).") from None
-    chain = synthetic.ZipfMarkovChain(
-        syn["vocab_size"], syn["zipf_exponent"], syn["num_clusters"], syn["successors"], syn["corpus_seed"]
-    )
+    chain = synthetic.ZipfMarkovChain.from_facts(syn)
     seq_len = results["data"]["seq_len"]
     counts = hf_midx.token_counts(
         torch.from_numpy(chain.sample_blocks(results["data"]["train_blocks"], seq_len + 1, seed=[syn["corpus_seed"], 0])),

@@ -57,7 +57,7 @@ def load_runs(run_dirs: list[Path]) -> tuple[list[dict], dict, int]:
             raise SystemExit(f"{run_dir}: not a large_vocab run ({err}).") from None
         if not results.get("complete") or not (run_dir / "config.json").is_file():
             raise SystemExit(f"{run_dir}: the run did not finish (no complete results.json and saved model).")
-        keys = ("vocab_size", "zipf_exponent", "num_clusters", "successors", "corpus_seed")
+        keys = synthetic.ZipfMarkovChain.FACT_KEYS
         chains.add((tuple(syn[k] for k in keys), seq_len))
         label = synthetic_curves.config_label(results)
         runs.append({"dir": run_dir, "label": label, "seed": synthetic_curves.run_seed(results, run_dir)})
@@ -148,9 +148,7 @@ def score(args) -> tuple[dict, list[dict]]:
     """Draw the fresh blocks and score every run on them: (settings, runs with their block scores)."""
     runs, syn, seq_len = load_runs(args.run_dirs)
     check_unique(runs)  # before minutes of scoring
-    chain = synthetic.ZipfMarkovChain(
-        syn["vocab_size"], syn["zipf_exponent"], syn["num_clusters"], syn["successors"], syn["corpus_seed"]
-    )
+    chain = synthetic.ZipfMarkovChain.from_facts(syn)
     num_blocks = max(2, math.ceil(args.tokens / seq_len))
     blocks = chain.sample_blocks(num_blocks, seq_len + 1, seed=[syn["corpus_seed"], STREAM, args.seed])
     oracle = -torch.from_numpy(chain.log_prob(blocks))  # (B, L) float64
