@@ -665,14 +665,14 @@ def test_help_shows_a_percent_sign_in_any_flags_help(capsys):
 
     @dataclasses.dataclass
     class Args:
-        share: float = dataclasses.field(default=0.5, metadata={"help": "Share of the data (100% = all; 50%% is escaped)."})
+        share: float = dataclasses.field(default=0.5, metadata={"help": "Data share (100% = all; 50%% is escaped)."})
         width: int = dataclasses.field(default=3, metadata={"help": "Width, default %(default)s."})
 
     with pytest.raises(SystemExit) as stop:
         parse_arguments([Args], {}, ["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert stop.value.code == 0
-    assert "(100% = all; 50% is escaped)" in out and "Width, default 3." in out
+    assert "Data share (100% = all; 50% is escaped)" in out and "Width, default 3." in out
     args, _ = parse_arguments([Args], {}, ["--share", "0.25", "--output_dir", "unused"])
     assert args.share == 0.25
 
