@@ -48,17 +48,16 @@ LOGITS_PER_BATCH = 2**26
 
 def load_runs(run_dirs: list[Path]) -> tuple[list[dict], dict, int]:
     """The runs' ``results.json`` with their label and seed; the chain settings and block length they share."""
-    runs, chains = [], set()
+    runs, chains, keys = [], set(), synthetic.ZipfMarkovChain.FACT_KEYS
     for run_dir in run_dirs:
         try:
             results = json.loads((run_dir / "results.json").read_text())
-            syn, seq_len = results["synthetic"], results["data"]["seq_len"]
+            facts, seq_len = tuple(results["synthetic"][k] for k in keys), results["data"]["seq_len"]
         except (OSError, ValueError, KeyError) as err:
             raise SystemExit(f"{run_dir}: not a large_vocab run ({err}).") from None
         if not results.get("complete") or not (run_dir / "config.json").is_file():
             raise SystemExit(f"{run_dir}: the run did not finish (no complete results.json and saved model).")
-        keys = synthetic.ZipfMarkovChain.FACT_KEYS
-        chains.add((tuple(syn[k] for k in keys), seq_len))
+        chains.add((facts, seq_len))
         label = synthetic_curves.config_label(results)
         runs.append({"dir": run_dir, "label": label, "seed": synthetic_curves.run_seed(results, run_dir)})
     if len(chains) != 1:
