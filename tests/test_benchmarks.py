@@ -71,9 +71,10 @@ def assert_pngs(out: Path, *names: str) -> None:
 
 
 def test_bench_head(tmp_path):
-    p = run_bench("bench_head", tmp_path)
+    p = run_bench("bench_head", tmp_path, "--default_extra_m", "5")
     check_rows(p)
     cases = {r["case"] for r in p["results"]}
+    assert "midx-default-m5/per-query" in cases and p["settings"]["default_extra_m"] == [5]
     assert {
         "hf",
         "torch-chunked",
@@ -169,11 +170,13 @@ def test_compare_samplers(tmp_path):
 
 
 def test_bench_e2e(tmp_path):
-    p = run_bench("bench_e2e", tmp_path)
+    p = run_bench("bench_e2e", tmp_path, "--default_extra_m", "5")
     check_rows(p)
     cases = {r["case"] for r in p["results"] if "tokens_per_s" in r}
     # cce and liger need a GPU: on CPU they are left out with a printed line, not measured.
-    assert cases == {"hf-full", "exact-chunked", "midx-default", "midx-rq", "midx-rq-shared", "uniform"}
+    assert cases == {"hf-full", "exact-chunked", "midx-default", "midx-default-m5", "midx-rq", "midx-rq-shared", "uniform"}
+    m5 = next(r for r in p["results"] if r["case"] == "midx-default-m5")
+    assert m5["num_samples"] == 5 and m5["sampler"] == next(r for r in p["results"] if r["case"] == "midx-default")["sampler"]
     for r in p["results"]:
         assert r["tokens_per_s"] > 0 and r["peak_bytes"] >= 0 and "speedup_vs_hf" in r
         assert r["best_exact"] in ("hf-full", "exact-chunked") and r["speedup_vs_best_exact"] > 0
@@ -191,6 +194,45 @@ def test_gpu_check_script_is_valid_bash():
     """The one-call GPU script parses (it runs only where a GPU is: recipes/benchmarks/gpu_check.sh)."""
     proc = subprocess.run(["bash", "-n", str(BENCH / "gpu_check.sh")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_gpu_summary_tables_the_default_at_fewer_negatives(tmp_path):
+    """gpu_summary.py: the acceptance rows, and the default head at --default_extra_m beside the default M and
+    the fastest exact loss (head: a time, lower is better; training step: a throughput, higher is better)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_summary
+    finally:
+        sys.path.remove(str(BENCH))
+    mib = 2**20
+
+    def head(case, ms):
+        return {"V": 262144, "D": 640, "case": case, "ms": ms, "peak_bytes": 100 * mib}
+
+    head_rows = [head("hf", 80.0), head("cce", 20.0), head("liger", 25.0), head("midx-default/per-query", 4.0),
+                 head("midx-default/shared", 2.0), head("midx-default-m5/per-query", 2.5)]  # fmt: skip
+
+    def step(case, tps):
+        return {"setting": "gemma3-270m", "case": case, "tokens_per_s": tps, "peak_bytes": 2**30,
+                "speedup_vs_best_exact": tps / 1000.0, "best_exact": "cce"}  # fmt: skip
+
+    e2e_rows = [step("hf-full", 500.0), step("cce", 1000.0), step("midx-default", 1500.0),
+                step("midx-default-m5", 1800.0)]  # fmt: skip
+    (tmp_path / "bench_head.json").write_text(json.dumps({"environment": {"device": "test"}, "results": head_rows}))
+    (tmp_path / "bench_e2e.json").write_text(json.dumps({"results": e2e_rows}))
+    text = gpu_summary.main([str(tmp_path)])
+    assert (tmp_path / "summary.md").read_text() == text
+    lines = text.splitlines()
+    assert "| Gemma-3-270M (262,144 x 640) | 80.0 ms, 100 MiB | 20.0 ms, 100 MiB | 25.0 ms, 100 MiB |" in text
+    assert next(x for x in lines if x.startswith("| Gemma-3-270M (")).endswith("| 5.00x (cce) | 10.00x (cce) | 1.00x |")
+    m5_head = next(x for x in lines if "midx-default-m5/per-query" in x)
+    assert m5_head == "| Gemma-3-270M | midx-default-m5/per-query | 2.5 ms | 100 MiB | 1.60x | 8.00x (cce) |"
+    m5_step = next(x for x in lines if "| midx-default-m5 |" in x)
+    assert m5_step == "| gemma3-270m | midx-default-m5 | 1,800 tok/s | 1,024 MiB | 1.20x | 1.80x (cce) |"
+    # Without extra M the summary has no such table.
+    (tmp_path / "bench_head.json").write_text(json.dumps({"environment": {"device": "test"}, "results": head_rows[:-1]}))
+    (tmp_path / "bench_e2e.json").write_text(json.dumps({"results": e2e_rows[:-1]}))
+    assert "fewer negatives" not in gpu_summary.main([str(tmp_path)])
 
 
 def test_gpu_large_vocab_script_tables_its_runs(tmp_path):

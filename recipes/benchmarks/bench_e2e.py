@@ -10,6 +10,7 @@ on the model ``recipes/lm_recipe.build_model`` makes (GPT-2 architecture), for t
 * ``midx-rq-shared``: the same with one shared pool of P negatives per batch;
 * ``uniform``: ``MidxLMHead`` with the uniform proposal (the cheapest sampler: a floor);
 * ``midx-default``: ``MidxLMHead`` with ``MidxConfig()`` as it is (every default but the seed);
+  ``midx-default-m<M>`` (``--default_extra_m``): the same with M negatives per token;
 * ``cce`` / ``liger``: the exact loss of Cut Cross-Entropy's ``linear_cross_entropy`` / Liger-Kernel's
   fused linear cross-entropy on the backbone's hidden states (GPU only, when installed): what
   large-vocabulary trainers use today.
@@ -81,9 +82,15 @@ def parse_args(argv=None):
     p.add_argument("--settings", nargs="+", default=None, choices=list(SETTINGS),
                    help="default: recipe head-dominated (CPU); recipe gpt2-small-128k (GPU)")  # fmt: skip
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--default_extra_m", type=int, nargs="+", default=[],
+                   help="also run the default head with M negatives per token (cases midx-default-m<M>)")
     p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per case (default 5; quick 2)")
     p.add_argument("--bf16", default="auto", choices=["auto", "on", "off"], help="bf16 autocast (auto: on a GPU)")
-    return common.parse(p, argv)
+    args = common.parse(p, argv)
+    if any(m < 1 for m in args.default_extra_m):
+        p.error(f"--default_extra_m takes numbers of negatives >= 1, got {args.default_extra_m}")
+    args.cases = list(dict.fromkeys([*args.cases, *(f"midx-default-m{m}" for m in args.default_extra_m)]))
+    return args
 
 
 def make_model(setting: dict, vocab: int, block: int, seed: int, device: torch.device):
@@ -135,16 +142,19 @@ def run_setting(key: str, args, device, env, bf16: bool, warmup: int, steps: int
         elif case != "hf-full":
             shared = case == "midx-rq-shared"
             sampler = "uniform" if case == "uniform" else "midx-rq"
-            # midx-default: MidxConfig() as it is; the others: the setting's M and K, the benchmark's P.
-            config = MidxConfig(seed=args.seed, log_kl=False) if case == "midx-default" else MidxConfig(
+            # midx-default(-m<M>): MidxConfig() as it is (but M); the others: the setting's M and K, the benchmark's P.
+            default = case.startswith("midx-default")
+            config = MidxConfig(seed=args.seed, log_kl=False) if default else MidxConfig(
                 sampler=sampler, num_samples=args.pool_size if shared else s["num_samples"], seed=args.seed,
                 negatives="shared" if shared else "per-query", codebook_size=s["codebook_size"], log_kl=False)  # fmt: skip
+            if case.startswith("midx-default-m"):
+                config = config.replace(num_samples=int(case.removeprefix("midx-default-m")))
             t0 = time.perf_counter()
             MidxLMHead.wrap(model, config, class_counts=counts, verify=False)
             common.sync(device)
             rec["build_s"] = time.perf_counter() - t0
             rec.update({"sampler": config.sampler, "num_samples": config.num_samples, "negatives": config.negatives})
-            if case != "midx-default":
+            if not default:
                 head = MidxLMHead.find(model)
                 if sampler.startswith("midx"):
                     t0 = time.perf_counter()

@@ -17,6 +17,8 @@ bytes the step allocates). Cases, all on the same inputs:
 * ``midx-default/per-query`` and ``/shared``: the head as ``MidxConfig()`` configures it (sampler,
   M, K, estimator and every other default), per-query and with a shared pool of P;
   ``.../compiled``: the same step under ``torch.compile`` (``--compile``);
+  ``midx-default-m<M>/per-query``: the same head with M negatives per token instead of the default's
+  (``--default_extra_m``; M = 5 is where the adaptive proposal beats unigram on the synthetic corpus);
 * ``<sampler>/per-query``: ``hf_midx.sampled_softmax_loss`` with M negatives per token (M=20, the
   paper's setting), for midx-rq, midx-pq, uniform and unigram;
 * ``<sampler>/shared``: the same with one pool of P negatives shared by the batch (P=1024).
@@ -66,6 +68,8 @@ def parse_args(argv=None):
                    help="real head shapes (V, D) to run instead of the --dims x --vocab grid (T default 8192 on a GPU)")  # fmt: skip
     p.add_argument("--compile", action="store_true",
                    help="also time the default MIDX head's step under torch.compile (inductor on a GPU, aot_eager on CPU)")  # fmt: skip
+    p.add_argument("--default_extra_m", type=int, nargs="+", default=[],
+                   help="also time the default head per-query with M negatives (cases midx-default-m<M>/per-query)")
     p.add_argument("--kmeans_backend", default="torch", choices=["torch", "faiss"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="parameter dtype (auto: float32 on CPU, bfloat16 on a GPU)")  # fmt: skip
@@ -73,7 +77,10 @@ def parse_args(argv=None):
                    help="skip a case whose estimated peak exceeds this (or 85%% of free memory)")  # fmt: skip
     p.add_argument("--skip_cases", nargs="+", default=[],
                    help="case labels to leave out, e.g. torch-chunked (slow on CPU: see the module doc)")  # fmt: skip
-    return common.parse(p, argv)
+    args = common.parse(p, argv)
+    if any(m < 1 for m in args.default_extra_m):
+        p.error(f"--default_extra_m takes numbers of negatives >= 1, got {args.default_extra_m}")
+    return args
 
 
 def estimate_bytes(case: str, t: int, v: int, d: int, elt: int) -> int:
@@ -108,6 +115,7 @@ def main(argv=None) -> dict:
         num_samples=args.num_samples, pool_size=args.pool_size, codebook_size=args.codebook_size,
         kmeans_iters=args.kmeans_iters, kmeans_backend=args.kmeans_backend, dtype=str(dtype), warmup=warmup,
         repeats=repeats, budget_s=args.budget_s, max_mem_gb=args.max_mem_gb, samplers=args.samplers,
+        default_extra_m=args.default_extra_m,
         timed="forward + backward of head and loss (sampling included, index build excluded)",
         memory="peak bytes the step allocates (CPU: torch.profiler memory events; GPU: max_memory_allocated)",
     )  # fmt: skip
@@ -137,9 +145,11 @@ def _default_head_cases(args, hidden, weight, labels, counts, device):
     common.sync(device)
     build_s = time.perf_counter() - t0
     cases = []
-    for mode, n in (("per-query", config.num_samples), ("shared", args.pool_size)):
+    extra = [("per-query", m) for m in args.default_extra_m if m != config.num_samples]
+    for mode, n in (("per-query", config.num_samples), ("shared", args.pool_size), *extra):
         same = mode == config.negatives and n == config.num_samples
         head_n = head if same else make_head(config.replace(negatives=mode, num_samples=n))
+        name = "midx-default" if (mode, n) not in extra else f"midx-default-m{n}"
 
         def fn(head_n=head_n):
             return head_n.loss_from_hidden(hidden, None, shift_labels=labels)
@@ -152,11 +162,11 @@ def _default_head_cases(args, hidden, weight, labels, counts, device):
         # FLOPs against the full head: the candidates, the codeword scores, the exact head.
         exact = 0 if head_n.exact_ids is None else head_n.exact_ids.numel()
         ratio = (n + 2 * config.codebook_size + exact) / weight.shape[0]
-        cases.append((f"midx-default/{mode}", what, ratio, fn, draw))
-        if args.compile:
+        cases.append((f"{name}/{mode}", what, ratio, fn, draw))
+        if args.compile and name == "midx-default":
             backend = "inductor" if device.type == "cuda" else "aot_eager"
             compiled = torch.compile(fn, fullgraph=True, backend=backend)
-            cases.append((f"midx-default/{mode}/compiled", f"{what}, torch.compile({backend})", ratio, compiled, draw))
+            cases.append((f"{name}/{mode}/compiled", f"{what}, torch.compile({backend})", ratio, compiled, draw))
     return cases, build_s
 
 

@@ -3,9 +3,10 @@
 # figures first, so that a call cut short still brings back the head table:
 #   1. bench_head at the head shapes of Gemma-3-270M, Qwen2.5-0.5B, Llama-3-8B and Gemma-2-2B (bf16,
 #      T = 8192): the HF way, the chunked exact loss, Cut Cross-Entropy, Liger, MIDX's default
-#      (per-query and shared pool);
+#      (per-query and shared pool), and the default head at M = 5 (where the adaptive proposal beats
+#      unigram on the synthetic corpus);
 #   2. bench_e2e: Gemma-3-270M- and Qwen2.5-0.5B-sized models, sequences of 2,048, bf16: tokens/s and
-#      peak memory for the full softmax, CCE, Liger and the default MIDX head;
+#      peak memory for the full softmax, CCE, Liger and the default MIDX head (M = 20, and M = 5);
 #   3. the hot-path tests (sync count, torch.compile) on CUDA;
 #   4. the default head under torch.compile at the Gemma-3-270M shape (its compilation takes ~1 min).
 # Results go to $RESULTS (default gpu-out/): JSON, Markdown and logs; with PACK=<file.tgz> they are
@@ -29,10 +30,11 @@ smoke=(); [ "$DEVICE" = cpu ] && smoke=(--smoke)
 status=0
 timeout "${HEAD_TIMEOUT:-120}" python3 recipes/benchmarks/bench_head.py --device "$DEVICE" "${smoke[@]}" --out "$RESULTS" \
   --no_plots --budget_s 2 --max_mem_gb 60 --models gemma3-270m qwen2.5-0.5b llama3-8b gemma2-2b --samplers midx-rq \
-  --skip_cases midx-rq/per-query midx-rq/shared 2>&1 | tee "$RESULTS/bench_head.log" || status=1
+  --default_extra_m 5 --skip_cases midx-rq/per-query midx-rq/shared 2>&1 | tee "$RESULTS/bench_head.log" || status=1
 pack
-timeout "${E2E_TIMEOUT:-130}" python3 recipes/benchmarks/bench_e2e.py --device "$DEVICE" "${smoke[@]}" --out "$RESULTS" \
-  --no_plots --settings gemma3-270m qwen2.5-0.5b --cases hf-full cce liger midx-default --steps 3 --budget_s 5 \
+timeout "${E2E_TIMEOUT:-160}" python3 recipes/benchmarks/bench_e2e.py --device "$DEVICE" "${smoke[@]}" --out "$RESULTS" \
+  --no_plots --settings gemma3-270m qwen2.5-0.5b --cases hf-full cce liger midx-default --default_extra_m 5 \
+  --steps 3 --budget_s 5 \
   2>&1 | tee "$RESULTS/bench_e2e.log" || status=1
 pack
 HF_MIDX_TEST_DEVICE=$DEVICE timeout "${TESTS_TIMEOUT:-40}" python3 -m pytest -q -x -p no:cacheprovider \

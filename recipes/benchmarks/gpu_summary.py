@@ -43,6 +43,36 @@ def head_table(results: list[dict]) -> list[str]:
     return out
 
 
+def fewer_negatives_table(results: list[dict], key: str, speed: str) -> list[str]:
+    """The default head at other M (``--default_extra_m``: cases midx-default-m<M>[/per-query]) against
+    the default M and the exact losses; ``key`` groups rows (V or setting), ``speed`` is ms or tokens_per_s."""
+    extra = [r for r in results if r["case"].startswith("midx-default-m") and speed in r]
+    if not extra:
+        return []
+    faster = min if speed == "ms" else max
+    out = [
+        "| shape | case | time or throughput | peak memory | vs default M | vs fastest exact |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in extra:
+        same = [x for x in results if x[key] == r[key] and speed in x]
+        default = next((x for x in same if x["case"] in ("midx-default", "midx-default/per-query")), None)
+        exact = [x for x in same if x["case"] in ("hf", "hf-full", "cce", "liger")]
+        best = faster(exact, key=lambda x: x[speed]) if exact else None
+
+        def ratio(other, r=r):
+            if other is None:
+                return "-"
+            return f"{other['ms'] / r['ms']:.2f}x" if speed == "ms" else f"{r[speed] / other[speed]:.2f}x"
+
+        value = f"{r['ms']:.1f} ms" if speed == "ms" else f"{r[speed]:,.0f} tok/s"
+        name = SHAPES.get(r[key], r[key]) if key == "V" else r[key]
+        vs_best = "-" if best is None else f"{ratio(best)} ({best['case']})"
+        memory = f"{r['peak_bytes'] / 2**20:,.0f} MiB"
+        out.append(f"| {name} | {r['case']} | {value} | {memory} | {ratio(default)} | {vs_best} |")
+    return out
+
+
 def e2e_table(results: list[dict]) -> list[str]:
     out = [
         "| model | full softmax (HF) | CCE | Liger | default | default vs best exact |",
@@ -67,10 +97,17 @@ def main(argv=None) -> str:
     lines = [f"# GPU summary ({head['environment'].get('device', '?')})", ""]
     lines += ["Head + loss, forward + backward, bf16, T = 8,192 tokens (median of up to 5 warm calls):", ""]
     lines += head_table(head["results"])
+    fewer = fewer_negatives_table(head["results"], "V", "ms")
+    if fewer:
+        lines += ["", "The default head with fewer negatives per token (head, as above):", "", *fewer]
     e2e_path = folder / "bench_e2e.json"
     if e2e_path.exists():
+        e2e = json.loads(e2e_path.read_text())["results"]
         lines += ["", "Training step (forward, backward, AdamW), bf16, batch 4 x 2,048 tokens:", ""]
-        lines += e2e_table(json.loads(e2e_path.read_text())["results"])
+        lines += e2e_table(e2e)
+        fewer = fewer_negatives_table(e2e, "setting", "tokens_per_s")
+        if fewer:
+            lines += ["", "The default head with fewer negatives per token (training step, as above):", "", *fewer]
     text = "\n".join(lines) + "\n"
     (folder / "summary.md").write_text(text)
     print(text)
