@@ -174,9 +174,11 @@ def test_bench_e2e(tmp_path):
     check_rows(p)
     cases = {r["case"] for r in p["results"] if "tokens_per_s" in r}
     # cce and liger need a GPU: on CPU they are left out with a printed line, not measured.
-    assert cases == {"hf-full", "exact-chunked", "midx-default", "midx-default-m5", "midx-rq", "midx-rq-shared", "uniform"}
-    m5 = next(r for r in p["results"] if r["case"] == "midx-default-m5")
-    assert m5["num_samples"] == 5 and m5["sampler"] == next(r for r in p["results"] if r["case"] == "midx-default")["sampler"]
+    assert cases == {"hf-full", "exact-chunked", "midx-default", "midx-default-m5", "midx-rq", "midx-rq-shared",
+                     "uniform"}  # fmt: skip
+    by_case = {r["case"]: r for r in p["results"]}
+    assert by_case["midx-default-m5"]["num_samples"] == 5
+    assert by_case["midx-default-m5"]["sampler"] == by_case["midx-default"]["sampler"]
     for r in p["results"]:
         assert r["tokens_per_s"] > 0 and r["peak_bytes"] >= 0 and "speedup_vs_hf" in r
         assert r["best_exact"] in ("hf-full", "exact-chunked") and r["speedup_vs_best_exact"] > 0
@@ -218,7 +220,8 @@ def test_gpu_summary_tables_the_default_at_fewer_negatives(tmp_path):
 
     e2e_rows = [step("hf-full", 500.0), step("cce", 1000.0), step("midx-default", 1500.0),
                 step("midx-default-m5", 1800.0)]  # fmt: skip
-    (tmp_path / "bench_head.json").write_text(json.dumps({"environment": {"device": "test"}, "results": head_rows}))
+    env = {"device": "test"}
+    (tmp_path / "bench_head.json").write_text(json.dumps({"environment": env, "results": head_rows}))
     (tmp_path / "bench_e2e.json").write_text(json.dumps({"results": e2e_rows}))
     text = gpu_summary.main([str(tmp_path)])
     assert (tmp_path / "summary.md").read_text() == text
@@ -230,7 +233,7 @@ def test_gpu_summary_tables_the_default_at_fewer_negatives(tmp_path):
     m5_step = next(x for x in lines if "| midx-default-m5 |" in x)
     assert m5_step == "| gemma3-270m | midx-default-m5 | 1,800 tok/s | 1,024 MiB | 1.20x | 1.80x (cce) |"
     # Without extra M the summary has no such table.
-    (tmp_path / "bench_head.json").write_text(json.dumps({"environment": {"device": "test"}, "results": head_rows[:-1]}))
+    (tmp_path / "bench_head.json").write_text(json.dumps({"environment": env, "results": head_rows[:-1]}))
     (tmp_path / "bench_e2e.json").write_text(json.dumps({"results": e2e_rows[:-1]}))
     assert "fewer negatives" not in gpu_summary.main([str(tmp_path)])
 
