@@ -198,6 +198,22 @@ def test_gpu_check_script_is_valid_bash():
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.parametrize("bad", ["0", "-5", "two"])
+def test_default_extra_m_rejects_what_is_not_a_number_of_negatives(bad, capsys):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_e2e
+        import bench_head
+    finally:
+        sys.path.remove(str(BENCH))
+    for bench in (bench_head, bench_e2e):
+        with pytest.raises(SystemExit) as stop:
+            bench.parse_args(["--default_extra_m", "5", bad])
+        assert stop.value.code == 2
+        assert f"--default_extra_m: expected an integer >= 1, got '{bad}'" in capsys.readouterr().err
+    assert bench_e2e.parse_args(["--default_extra_m", "5"]).cases[-1] == "midx-default-m5"
+
+
 def test_gpu_summary_tables_the_default_at_fewer_negatives(tmp_path):
     """gpu_summary.py: the acceptance rows, and the default head at --default_extra_m beside the default M and
     the fastest exact loss (head: a time, lower is better; training step: a throughput, higher is better)."""

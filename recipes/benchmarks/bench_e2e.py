@@ -78,17 +78,14 @@ EXACT_CASES = ("hf-full", "exact-chunked", "cce", "liger")
 
 
 def parse_args(argv=None):
-    p = common.base_parser(__doc__.splitlines()[0], pool_size=1024, budget_s=(None, "default 120; quick 5"))
+    p = common.base_parser(__doc__.splitlines()[0], pool_size=1024, budget_s=(None, "default 120; quick 5"),
+                           default_extra_m=[])
     p.add_argument("--settings", nargs="+", default=None, choices=list(SETTINGS),
                    help="default: recipe head-dominated (CPU); recipe gpt2-small-128k (GPU)")  # fmt: skip
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    p.add_argument("--default_extra_m", type=int, nargs="+", default=[],
-                   help="also run the default head with M negatives per token (cases midx-default-m<M>)")
     p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per case (default 5; quick 2)")
     p.add_argument("--bf16", default="auto", choices=["auto", "on", "off"], help="bf16 autocast (auto: on a GPU)")
     args = common.parse(p, argv)
-    if any(m < 1 for m in args.default_extra_m):
-        p.error(f"--default_extra_m takes numbers of negatives >= 1, got {args.default_extra_m}")
     args.cases = list(dict.fromkeys([*args.cases, *(f"midx-default-m{m}" for m in args.default_extra_m)]))
     return args
 

@@ -60,7 +60,7 @@ def parse_args(argv=None):
     p = common.base_parser(
         __doc__.splitlines()[0], vocab=(None, "default 32768 131072 524288 1048576; quick 8192 32768"), num_samples=20,
         pool_size=1024, codebook_size=64, kmeans_iters=20, budget_s=(None, "default 60; quick 5"),
-        samplers=list(SAMPLED),
+        samplers=list(SAMPLED), default_extra_m=[],
     )  # fmt: skip
     p.add_argument("--tokens", type=int, default=None, help="T (default 2048; quick 512)")
     p.add_argument("--dims", type=int, nargs="+", default=None, help="D values (default 256; 256 1024 on a GPU)")
@@ -68,8 +68,6 @@ def parse_args(argv=None):
                    help="real head shapes (V, D) to run instead of the --dims x --vocab grid (T default 8192 on a GPU)")  # fmt: skip
     p.add_argument("--compile", action="store_true",
                    help="also time the default MIDX head's step under torch.compile (inductor on a GPU, aot_eager on CPU)")  # fmt: skip
-    p.add_argument("--default_extra_m", type=int, nargs="+", default=[],
-                   help="also time the default head per-query with M negatives (cases midx-default-m<M>/per-query)")
     p.add_argument("--kmeans_backend", default="torch", choices=["torch", "faiss"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="parameter dtype (auto: float32 on CPU, bfloat16 on a GPU)")  # fmt: skip
@@ -77,10 +75,7 @@ def parse_args(argv=None):
                    help="skip a case whose estimated peak exceeds this (or 85%% of free memory)")  # fmt: skip
     p.add_argument("--skip_cases", nargs="+", default=[],
                    help="case labels to leave out, e.g. torch-chunked (slow on CPU: see the module doc)")  # fmt: skip
-    args = common.parse(p, argv)
-    if any(m < 1 for m in args.default_extra_m):
-        p.error(f"--default_extra_m takes numbers of negatives >= 1, got {args.default_extra_m}")
-    return args
+    return common.parse(p, argv)
 
 
 def estimate_bytes(case: str, t: int, v: int, d: int, elt: int) -> int:

@@ -44,6 +44,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------- command line
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (anything else is a parser error naming the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 #: Flags that several benchmarks take: name -> (type, nargs, help). A script asks for them by name in
 #: base_parser with its own default, and, where the default depends on --quick, the help says which.
 SHARED_FLAGS = {
@@ -56,6 +67,8 @@ SHARED_FLAGS = {
     "codebook_size": (int, None, "K codewords per codebook"),
     "kmeans_iters": (int, None, "Lloyd iterations per codebook"),
     "budget_s": (float, None, "stop repeating a case after this many seconds"),
+    "default_extra_m": (positive_int, "+", "also run the default head (MidxConfig()) with these M negatives per "
+                        "token, per-query: cases midx-default-m<M>"),
 }
 
 
