@@ -820,8 +820,11 @@ def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path, monkeypat
         outs.append(str(tmp_path / "part" / name / "synthetic_heldout.json"))
         synthetic_heldout.main([str(tmp_path / name), "--tokens", "800", "--exact_head", "64",
                                 "--out", str(Path(outs[-1]).parent)])  # fmt: skip
+    alone = (Path(outs[0]).parent / "synthetic_heldout.md").read_text()
+    assert "No run has its unigram or full-softmax partner" in alone and "| configuration | against |" not in alone
     merged = synthetic_heldout.main(["--merge", *outs, "--out", str(tmp_path / "merged")])
     assert merged["summary"] == held["summary"]
+    assert "| configuration | against |" in (tmp_path / "merged" / "synthetic_heldout.md").read_text()
     assert [r["nll"] for r in merged["runs"]] == [r["nll"] for r in held["runs"]]
     synthetic_heldout.main([str(tmp_path / "unigram_s3"), "--tokens", "960", "--exact_head", "64",
                             "--out", str(tmp_path / "part" / "more")])  # fmt: skip

@@ -236,7 +236,12 @@ def main(argv=None) -> dict:
         + ", ".join(f"{b} {s:.3f}" for b, s in zip(bands, settings["label_share"])) + ".\n\n"
         + common.markdown_table(runs, columns)
         + "\n\n## Paired differences over seeds (in % of the baseline's perplexity; by band in nats per token)\n\n"
-        + common.markdown_table(summary["vs unigram"] + summary["vs full"], summary_columns)
+        + (
+            common.markdown_table(pairs, summary_columns)
+            if (pairs := summary["vs unigram"] + summary["vs full"])
+            else "No run has its unigram or full-softmax partner of the same seed here: score the partners "
+            "together, or `--merge` their outputs."
+        )
     )
     sources = {"merged": [str(x) for x in args.merge]} if args.merge else {"run_dirs": [str(d) for d in args.run_dirs]}
     payload = {"settings": {**settings, **sources}, "oracle_perplexity": math.exp(oracle_nll), "runs": runs,
