@@ -227,6 +227,9 @@ def main(argv=None) -> dict:
                        ("per seed", lambda r: ", ".join(f"{x:+.2f}%" for x in r["pct"])), ("mean ± sd", mean_sd),
                        *[(f"nats/token, next word in {b}", lambda r, i=i: f"{r['bands_nats'][i]:+.4f}")
                          for i, b in enumerate(bands)]]  # fmt: skip
+    pairs = summary["vs unigram"] + summary["vs full"]
+    no_pairs = ("No run has its unigram or full-softmax partner of the same seed here: score the partners together, "
+                "or `--merge` their outputs.")  # fmt: skip
     syn = settings["synthetic"]
     md = (
         f"# {NAME}\n\n{settings['tokens']:,} fresh tokens ({settings['blocks']:,} blocks of {length}) of the chain "
@@ -236,12 +239,7 @@ def main(argv=None) -> dict:
         + ", ".join(f"{b} {s:.3f}" for b, s in zip(bands, settings["label_share"])) + ".\n\n"
         + common.markdown_table(runs, columns)
         + "\n\n## Paired differences over seeds (in % of the baseline's perplexity; by band in nats per token)\n\n"
-        + (
-            common.markdown_table(pairs, summary_columns)
-            if (pairs := summary["vs unigram"] + summary["vs full"])
-            else "No run has its unigram or full-softmax partner of the same seed here: score the partners "
-            "together, or `--merge` their outputs."
-        )
+        + (common.markdown_table(pairs, summary_columns) if pairs else no_pairs)
     )
     sources = {"merged": [str(x) for x in args.merge]} if args.merge else {"run_dirs": [str(d) for d in args.run_dirs]}
     payload = {"settings": {**settings, **sources}, "oracle_perplexity": math.exp(oracle_nll), "runs": runs,
