@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The synthetic-corpus seed table of recipes/large_vocab.py on one GPU, in one call: the recipe's defaults
-# (V = 100,000, 5,000 steps) for the default MIDX head, unigram with the same head and M, and the full
+# (V = 100,000, 10,000 steps) for the default MIDX head, unigram with the same head and M, and the full
 # softmax, SEEDS seeds each, all as parallel processes on the one GPU (the model is small: the GPU would
 # sit mostly idle with one run), then synthetic_curves.py's table and curves of them. On a CPU these runs
-# take 30-50 minutes each for the sampled heads and hours for the full softmax.
+# take 40-60 minutes each for the sampled heads and hours for the full softmax.
 #
 #   bash recipes/benchmarks/gpu_large_vocab.sh                  # RESULTS=gpu-out/large_vocab, SEEDS=3
 #   DEVICE=cpu bash recipes/benchmarks/gpu_large_vocab.sh       # a tiny smoke version of the same commands
