@@ -59,7 +59,7 @@ def kl_to_softmax(
     Returns:
         scalar float32 tensor (nats).
     """
-    q = sampler._queries(queries)
+    q = sampler.checked_queries(queries)
     check_matrix("weight", weight, dim=sampler.dim)
     total = torch.zeros((), device=q.device)
     w = weight.detach().float().to(q.device)
@@ -97,7 +97,7 @@ def proposal_diagnostics(
         ``kl_qp``, ``kl_pq`` (nats), ``ess``, ``ess_sampled`` (fractions of M in (0, 1]),
         ``mass_p_over_q_gt_10`` and ``head_mass`` (probabilities). Draws use a generator of their own.
     """
-    q = sampler._queries(queries)
+    q = sampler.checked_queries(queries)
     if q.shape[0] == 0:
         raise ValueError("proposal_diagnostics needs at least one query.")
     check_matrix("weight", weight, dim=sampler.dim)

@@ -132,9 +132,9 @@ class MidxLMHead(nn.Module):
     def _release_linear(self) -> None:
         # The head holds the parameters; the kept Linear gets them back on unwrap. A second reference
         # would keep the full weight alive where FSDP2 replaces the head's parameters by shards.
-        self.linear._parameters["weight"] = None
-        if "bias" in self.linear._parameters:
-            self.linear._parameters["bias"] = None
+        self.linear.register_parameter("weight", None)
+        if getattr(self.linear, "bias", None) is not None:
+            self.linear.register_parameter("bias", None)
 
     # ------------------------------------------------------------------ sampler
     def _build_sampler(self, weight: torch.Tensor) -> Sampler:

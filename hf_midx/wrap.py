@@ -464,14 +464,11 @@ def _find_host(model: nn.Module, linear: nn.Linear) -> nn.Module:
 
 def _replace_module(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
     """Set every attribute of ``root``'s submodules that holds ``old`` to ``new``."""
-    found = False
-    for parent in list(root.modules()):
-        for name, child in list(parent._modules.items()):
-            if child is old:
-                setattr(parent, name, new)
-                found = True
-    if not found:
+    paths = [name for name, module in root.named_modules(remove_duplicate=False) if module is old and name]
+    if not paths:
         raise ValueError(f"The output layer {type(old).__name__} is not a submodule of {type(root).__name__}.")
+    for path in paths:
+        root.set_submodule(path, new)
 
 
 __all__ = ["HostBinding", "MidxFusedOutput", "unwrap", "wrap"]

@@ -144,6 +144,32 @@ def _one_line_parser(dataclass_types, description: str = ""):
     from transformers import HfArgumentParser
 
     class OneLineParser(HfArgumentParser):
+        """Keeps every action it adds in ``recipe_actions`` (argparse has no public list of its actions).
+
+        argparse %-formats help strings (for %(default)s): a literal percent sign in any dataclass's help text
+        ("100%") would break --help unless doubled, so one is doubled as the argument is added; one already
+        doubled or starting %(...) is kept.
+        """
+
+        def add_argument(self, *args, **kwargs):
+            return self.keep_action(super().add_argument, args, kwargs)
+
+        def add_argument_group(self, *args, **kwargs):
+            # HfArgumentParser adds the fields of a dataclass with _argument_group_name to a group.
+            group = super().add_argument_group(*args, **kwargs)
+            add_to_group = group.add_argument
+            group.add_argument = lambda *a, **k: self.keep_action(add_to_group, a, k)
+            return group
+
+        def keep_action(self, add, args, kwargs):
+            if isinstance(kwargs.get("help"), str):
+                kwargs["help"] = re.sub(r"(?<!%)%(?![(%])", "%%", kwargs["help"])
+            action = add(*args, **kwargs)
+            if not hasattr(self, "recipe_actions"):  # argparse adds --help before a subclass's __init__ could run
+                self.recipe_actions = []
+            self.recipe_actions.append(action)
+            return action
+
         def error(self, message):  # argparse's hook for bad command lines
             raise RecipeError(message)
 
@@ -152,11 +178,6 @@ def _one_line_parser(dataclass_types, description: str = ""):
 
     # allow_abbrev=False: "--num_sample 5" is an error, not "--num_samples 5" taken silently.
     parser = OneLineParser(dataclass_types, description=description, formatter_class=Formatter, allow_abbrev=False)
-    for action in parser._actions:  # argparse keeps no public list of its actions
-        if isinstance(action.help, str):
-            # argparse %-formats help strings (for %(default)s): a literal percent sign in any dataclass's help
-            # text ("100%") would break --help unless doubled; one already doubled or starting %(...) is kept.
-            action.help = re.sub(r"(?<!%)%(?![(%])", "%%", action.help)
     return parser
 
 
@@ -175,13 +196,13 @@ def _short_help(parser, argv: Sequence[str]) -> None:
     if "--help_all" in argv:
         return
     parser.usage = "%(prog)s [--output_dir DIR] [--flag value ...]   (--help: the main flags; --help_all: all)"
-    for action in parser._actions:
+    for action in parser.recipe_actions:
         negated = action.option_strings[0][len("--no_") :] if action.option_strings[0].startswith("--no_") else None
         if negated and action.help is not argparse.SUPPRESS:
             action.help = f"Turn --{negated} off."
     training = {f.name for f in dataclasses.fields(TrainingArguments)}
     named = []
-    for action in parser._actions:  # argparse keeps no public list of its actions
+    for action in parser.recipe_actions:
         if action.dest in MAIN_TRAINING_FLAGS:
             action.help = MAIN_TRAINING_FLAGS[action.dest]
         elif action.dest in training:
@@ -286,20 +307,49 @@ def _log_warning(message, category, filename, lineno, file=None, line=None) -> N
     logging.getLogger("py.warnings").warning("%s: %s", category.__name__, message)
 
 
+def checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of the ``checkpoint-N`` folders of ``output_dir``, newest first (complete or not)."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        prefix, _, step = name.partition("-")
+        path = os.path.join(output_dir, name)
+        if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit() and os.path.isdir(path):
+            found.append((int(step), path))
+    return sorted(found, reverse=True)
+
+
+def checkpoint_step(path: str) -> int:
+    """N of a ``checkpoint-N`` folder."""
+    return int(os.path.basename(os.path.normpath(path)).rpartition("-")[2])
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest ``checkpoint-N`` folder of ``output_dir`` that holds ``trainer_state.json`` (the Trainer writes
+    it after the weights, optimizer and RNG states), or None: a checkpoint cut short while being saved is skipped."""
+    for _, path in checkpoints(output_dir):
+        if os.path.isfile(os.path.join(path, "trainer_state.json")):
+            return path
+    return None
+
+
 def check_output_and_resume(training_args, overwrite: bool = False) -> str | None:
     """Validate ``--output_dir`` and ``--resume_from_checkpoint``; returns the checkpoint to resume or None.
 
-    ``--resume_from_checkpoint last`` (or ``true``) picks the newest ``checkpoint-*`` in output_dir. Without a
+    ``--resume_from_checkpoint last`` (or ``true``) picks the newest complete ``checkpoint-*`` in output_dir
+    (one cut short while being saved, e.g. by a killed process, is passed over with a warning). Without a
     checkpoint to resume and without ``overwrite`` (``--overwrite_output_dir``), an output_dir holding a
     finished run (``results.json``) or an unfinished one (``checkpoint-*``) is a RecipeError: the earlier
     run is left as it is.
     """
-    from transformers.trainer_utils import get_last_checkpoint
-
     out = training_args.output_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise RecipeError(f"--output_dir {out!r} is a file; give a directory.")
     resume = training_args.resume_from_checkpoint
+    found = checkpoints(out)
     if resume is None or resume == "":
         if not overwrite and os.path.isdir(out):
             if os.path.exists(os.path.join(out, RESULTS_NAME)):
@@ -307,18 +357,29 @@ def check_output_and_resume(training_args, overwrite: bool = False) -> str | Non
                     f"--output_dir {out!r} holds a finished run ({RESULTS_NAME}); give another --output_dir, "
                     "--resume_from_checkpoint last to continue it, or --overwrite_output_dir to replace it."
                 )
-            last = get_last_checkpoint(out)
-            if last is not None:
+            if found:
                 raise RecipeError(
-                    f"--output_dir {out!r} holds an unfinished run ({os.path.basename(last)}); pass "
+                    f"--output_dir {out!r} holds an unfinished run ({os.path.basename(found[0][1])}); pass "
                     "--resume_from_checkpoint last to continue it, --overwrite_output_dir to start over, or another "
                     "--output_dir."
                 )
         return None
     if resume.lower() in ("last", "true"):
-        last = get_last_checkpoint(out) if os.path.isdir(out) else None
+        last = last_complete_checkpoint(out)
+        partial = [os.path.basename(path) for step, path in found if last is None or step > checkpoint_step(last)]
         if last is None:
-            raise RecipeError(f"--resume_from_checkpoint {resume}: no checkpoint-* folder in {out!r} to resume from.")
+            why = f" ({', '.join(partial)}: cut short while being saved, no trainer_state.json)" if partial else ""
+            raise RecipeError(
+                f"--resume_from_checkpoint {resume}: no complete checkpoint-* folder in {out!r} to resume from{why}; "
+                "start over with --overwrite_output_dir."
+            )
+        if partial:
+            logging.getLogger("recipes").warning(
+                "%s cut short while being saved (no trainer_state.json): resuming from %s instead; the next save "
+                "of that step replaces it.",
+                ", ".join(partial),
+                os.path.basename(last),
+            )
         return last
     if not os.path.isdir(resume):
         raise RecipeError(f"--resume_from_checkpoint {resume!r} is not a checkpoint directory.")

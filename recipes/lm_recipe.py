@@ -190,15 +190,15 @@ class FullSoftmaxTrainer(PerplexityMixin, Trainer):
 
     def create_model_card(self, **kwargs):
         config = self.model.config
-        name = getattr(config, "_name_or_path", "")
+        name = config.name_or_path or ""
         if not name:
-            # transformers takes a _name_or_path that is not a directory ("" for a model built from a config)
+            # transformers takes a name_or_path that is not a directory ("" for a model built from a config)
             # for the base model and writes "fine-tuned version of []"; a directory makes it "trained from scratch".
-            config._name_or_path = self.args.output_dir
+            config.name_or_path = self.args.output_dir
         try:
             super().create_model_card(**kwargs)
         finally:
-            config._name_or_path = name
+            config.name_or_path = name
         if self.is_world_process_zero() and self.model_card_extras:
             from huggingface_hub import ModelCard
 
@@ -487,35 +487,12 @@ def train_and_report(
 
 
 # ---------------------------------------------------------------------- interruption and exit
-def _checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of the ``checkpoint-N`` folders of ``output_dir``, newest first."""
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        prefix, _, step = name.partition("-")
-        path = os.path.join(output_dir, name)
-        if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit() and os.path.isdir(path):
-            found.append((int(step), path))
-    return sorted(found, reverse=True)
-
-
-def _remove_checkpoints(output_dir: str) -> None:
+def _remove_checkpoints(output_dir: str, newer_than: int = -1) -> None:
     import shutil
 
-    for _, path in _checkpoints(output_dir):
-        shutil.rmtree(path)
-
-
-def last_complete_checkpoint(output_dir: str) -> str | None:
-    """The newest ``checkpoint-N`` folder of ``output_dir`` that holds ``trainer_state.json`` (the Trainer writes
-    it last), or None: a checkpoint interrupted while being written is skipped."""
-    for _, path in _checkpoints(output_dir):
-        if os.path.isfile(os.path.join(path, "trainer_state.json")):
-            return path
-    return None
+    for step, path in lm_args.checkpoints(output_dir):
+        if step > newer_than:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _interrupted(err: KeyboardInterrupt, training_args, out_existed: bool) -> Interrupted:
@@ -528,7 +505,9 @@ def _interrupted(err: KeyboardInterrupt, training_args, out_existed: bool) -> In
 
     out = training_args.output_dir
     how = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
-    last = last_complete_checkpoint(out)
+    last = lm_args.last_complete_checkpoint(out)
+    if training_args.process_index == 0:  # a checkpoint this stop cut short while being saved
+        _remove_checkpoints(out, newer_than=-1 if last is None else lm_args.checkpoint_step(last))
     if last is None:
         if training_args.process_index == 0 and not out_existed and os.path.isdir(out):
             shutil.rmtree(out, ignore_errors=True)

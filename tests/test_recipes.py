@@ -545,8 +545,62 @@ def test_output_dir_with_checkpoints_needs_resume_or_overwrite(tmp_path):
         check_output_and_resume(args)
     assert check_output_and_resume(args, overwrite=True) is None
     args.resume_from_checkpoint = "last"
+    # checkpoint-4 has no trainer_state.json: a save cut short (a killed process), nothing to resume from.
+    with pytest.raises(RecipeError, match="no complete checkpoint.*checkpoint-4: cut short while being saved"):
+        check_output_and_resume(args)
+    (out / "checkpoint-4" / "trainer_state.json").write_text("{}")
     assert check_output_and_resume(args) == str(out / "checkpoint-4")
     assert check_output_and_resume(TrainingArguments(output_dir=str(tmp_path / "new"), report_to="none")) is None
+
+
+def test_resume_last_passes_over_a_checkpoint_cut_short_with_a_warning(tmp_path, caplog):
+    from transformers import TrainingArguments
+
+    from recipes.lm_args import check_output_and_resume
+
+    out = tmp_path / "run"
+    for step in (4, 8, 12):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+    for step in (4, 8):
+        (out / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    args = TrainingArguments(output_dir=str(out), report_to="none", use_cpu=True, resume_from_checkpoint="last")
+    with caplog.at_level("WARNING", logger="recipes"):
+        assert check_output_and_resume(args) == str(out / "checkpoint-8")
+    assert "checkpoint-12 cut short while being saved" in caplog.text and "resuming from checkpoint-8" in caplog.text
+
+
+def test_a_stop_while_a_checkpoint_is_saved_removes_it_and_resumes_from_the_one_before(tmp_path):
+    """Ctrl-C (or SIGTERM, which the recipes handle alike) after checkpoint-6's weights were written, before its
+    trainer_state.json: the half-written folder goes, the message names checkpoint-3, and `last` continues it."""
+    out = tmp_path / "run"
+    argv = ["--output_dir", str(out), "--vocab_size", "2000", "--max_steps", "8", "--train_tokens", "4000",
+            "--eval_tokens", "400", "--test_tokens", "400", "--eval_strategy", "no", "--save_strategy", "steps",
+            "--save_steps", "3", *TINY]  # fmt: skip
+    cut_short = (
+        "import os, runpy, sys, transformers\n"
+        "save = transformers.TrainerState.save_to_json\n"
+        "def save_to_json(self, path):\n"
+        "    if 'checkpoint-6' in path:\n"
+        "        raise KeyboardInterrupt  # as Ctrl-C would, the weights and optimizer written\n"
+        "    save(self, path)\n"
+        "transformers.TrainerState.save_to_json = save_to_json\n"
+        "sys.argv = sys.argv[1:]\n"
+        "sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as `python recipes/large_vocab.py` has it\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    stopped = subprocess.run([sys.executable, "-c", cut_short, str(RECIPES / "large_vocab.py"), *argv], cwd=REPO,
+                             env=recipe_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    lines = [line for line in stopped.stderr.splitlines() if line.startswith("large_vocab.py:")]
+    assert lines == [
+        f"large_vocab.py: interrupted; the last checkpoint is {str(out / 'checkpoint-3')!r}: continue with the same "
+        "command plus --resume_from_checkpoint last."
+    ], stopped.stderr[-3000:]
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-3"]
+    resumed = run_recipe("large_vocab.py", *argv, "--resume_from_checkpoint", "last")
+    check_ok(resumed)
+    assert "resuming from checkpoint-3" in resumed.stderr
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 8
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
@@ -668,13 +722,20 @@ def test_help_shows_a_percent_sign_in_any_flags_help(capsys):
         share: float = dataclasses.field(default=0.5, metadata={"help": "Data share (100% = all; 50%% is escaped)."})
         width: int = dataclasses.field(default=3, metadata={"help": "Width, default %(default)s."})
 
+    @dataclasses.dataclass
+    class GroupedArgs:  # HfArgumentParser adds these to an argument group
+        _argument_group_name = "grouped"
+        depth: int = dataclasses.field(default=2, metadata={"help": "Depth (at most 100% of the width)."})
+
     with pytest.raises(SystemExit) as stop:
-        parse_arguments([Args], {}, ["--help"])
+        parse_arguments([Args, GroupedArgs], {}, ["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert stop.value.code == 0
     assert "Data share (100% = all; 50% is escaped)" in out and "Width, default 3." in out
-    args, _ = parse_arguments([Args], {}, ["--share", "0.25", "--output_dir", "unused"])
-    assert args.share == 0.25
+    assert "grouped: --depth DEPTH Depth (at most 100% of the width). (default: 2)" in out
+    argv = ["--share", "0.25", "--depth", "4", "--output_dir", "unused"]
+    args, grouped, _ = parse_arguments([Args, GroupedArgs], {}, argv)
+    assert args.share == 0.25 and grouped.depth == 4
 
 
 def test_report_to_tensorboard_without_it_is_one_line(monkeypatch):

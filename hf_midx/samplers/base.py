@@ -171,7 +171,7 @@ class Sampler:
         Returns:
             ids: (T, M) int64 in [0, V); log_q: (T, M) float32, log Q(ids | z_t), finite.
         """
-        q = self._queries(queries)
+        q = self.checked_queries(queries)
         check_positive_int("num_samples", num_samples)
         return self.draw(q, num_samples, generator=generator)
 
@@ -184,7 +184,7 @@ class Sampler:
         Returns:
             (T, ...) float32.
         """
-        q = self._queries(queries)
+        q = self.checked_queries(queries)
         check_ids("ids", ids, self.num_classes)
         if ids.dim() == 0 or ids.shape[0] != q.shape[0]:
             raise ValueError(f"ids must have shape (T, ...) with T={q.shape[0]} queries, got {tuple(ids.shape)}.")
@@ -209,7 +209,7 @@ class Sampler:
         Returns:
             ids: (P,) int64; log_qbar: (P,) float32, log qbar(ids).
         """
-        q = self._queries(queries)
+        q = self.checked_queries(queries)
         check_positive_int("num_samples", num_samples)
         if q.shape[0] == 0:
             raise ValueError("sample_shared needs at least one query.")
@@ -220,7 +220,7 @@ class Sampler:
         self, queries: torch.Tensor, ids: torch.Tensor, row_weights: torch.Tensor | None = None
     ) -> torch.Tensor:
         """log qbar(ids) for (P,) ids under the (weighted) mixture of the (T, D) queries' proposals; (P,) float32."""
-        q = self._queries(queries)
+        q = self.checked_queries(queries)
         check_ids("ids", ids, self.num_classes)
         if ids.dim() != 1:
             raise ValueError(f"ids must be 1-D (P,), got shape {tuple(ids.shape)}.")
@@ -231,7 +231,7 @@ class Sampler:
 
     def full_log_prob(self, queries: torch.Tensor) -> torch.Tensor:
         """log Q(. | z) over all classes, (T, V) float32. O(T V): for tests and diagnostics only."""
-        q = self._queries(queries)
+        q = self.checked_queries(queries)
         ids = torch.arange(self.num_classes, device=self.device).expand(q.shape[0], -1)
         return self._global_log_prob(q, ids)
 
@@ -400,7 +400,9 @@ class Sampler:
         """Recompute derived tables after :meth:`load_state_dict`."""
 
     # ------------------------------------------------------------------ helpers
-    def _queries(self, queries: torch.Tensor) -> torch.Tensor:
+    def checked_queries(self, queries: torch.Tensor) -> torch.Tensor:
+        """Validate (T, D) queries (any float dtype, finite); returns them detached, float32, on the sampler's
+        device: what the checked entry points, and diagnostics built on a sampler, score."""
         check_matrix("queries", queries, dim=self.dim)
         return queries.detach().to(device=self.device, dtype=torch.float32)
 
