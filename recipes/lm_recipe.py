@@ -231,6 +231,13 @@ class TrainingClock(TrainerCallback):
             with open(path, encoding="utf-8") as f:
                 saved = json.load(f)
             self.earlier.update({k: float(saved[k]) for k in self.earlier if k in saved})
+        elif path is not None:
+            logger.warning(
+                "%s has no %s (saved by another program, or stopped right after the Trainer's files): "
+                "results.json's training time will count this session only.",
+                os.path.basename(os.path.normpath(resume)),
+                TIME_NAME,
+            )
         self.began = self.last_line = time.perf_counter()
 
     def on_train_begin(self, args, state, control, **kwargs):

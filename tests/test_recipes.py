@@ -597,10 +597,20 @@ def test_a_stop_while_a_checkpoint_is_saved_removes_it_and_resumes_from_the_one_
         "command plus --resume_from_checkpoint last."
     ], stopped.stderr[-3000:]
     assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-3"]
+    earlier = json.loads((out / "checkpoint-3" / "recipe_time.json").read_text())["train_runtime_s"]
     resumed = run_recipe("large_vocab.py", *argv, "--resume_from_checkpoint", "last")
     check_ok(resumed)
-    assert "resuming from checkpoint-3" in resumed.stderr
+    assert "resuming from checkpoint-3" in resumed.stderr and "recipe_time.json" not in resumed.stderr
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 8
+    results = json.loads((out / "results.json").read_text())
+    assert results["train_runtime_s"] > earlier > 0  # the first session's training time is carried over
+
+    (out / "results.json").unlink()
+    newest = max(out.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    (newest / "recipe_time.json").unlink()  # as if saved by a plain Trainer
+    again = run_recipe("large_vocab.py", *argv, "--max_steps", "9", "--resume_from_checkpoint", "last")
+    check_ok(again)
+    assert f"{newest.name} has no recipe_time.json" in again.stderr and "this session only" in again.stderr
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
