@@ -494,12 +494,12 @@ def train_and_report(
 
 
 # ---------------------------------------------------------------------- interruption and exit
-def _remove_checkpoints(output_dir: str, newer_than: int = -1) -> None:
+def _remove_checkpoints(output_dir: str, newer_than: int = -1, ignore_errors: bool = False) -> None:
     import shutil
 
     for step, path in lm_args.checkpoints(output_dir):
         if step > newer_than:
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=ignore_errors)
 
 
 def _interrupted(err: KeyboardInterrupt, training_args, out_existed: bool) -> Interrupted:
@@ -514,7 +514,8 @@ def _interrupted(err: KeyboardInterrupt, training_args, out_existed: bool) -> In
     how = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
     last = lm_args.last_complete_checkpoint(out)
     if training_args.process_index == 0:  # a checkpoint this stop cut short while being saved
-        _remove_checkpoints(out, newer_than=-1 if last is None else lm_args.checkpoint_step(last))
+        # Best effort: the stop's own message matters more than a folder another process still writes into.
+        _remove_checkpoints(out, -1 if last is None else lm_args.checkpoint_step(last), ignore_errors=True)
     if last is None:
         if training_args.process_index == 0 and not out_existed and os.path.isdir(out):
             shutil.rmtree(out, ignore_errors=True)
