@@ -421,9 +421,10 @@ def train_and_report(
     runtime = float(metrics.get("train_runtime", float("nan")))
     train_seconds = runtime - counter.eval_seconds  # without the evaluations during training
     totals = counter.totals()
-    tokens = None
+    tokens = session_tokens = None
     if training_args.include_num_input_tokens_seen != "no":
-        tokens = int(trainer.state.num_input_tokens_seen - counter.start_tokens)
+        tokens = int(trainer.state.num_input_tokens_seen)  # carried in the checkpoint's trainer state
+        session_tokens = tokens - int(counter.start_tokens)
     results = {
         "recipe": recipe,
         "complete": True,
@@ -452,12 +453,12 @@ def train_and_report(
         "train_loss": metrics.get("train_loss"),
         "global_step": trainer.state.global_step,
         "epoch": trainer.state.epoch,
-        "train_tokens_seen": tokens,
         # The whole run's, earlier sessions of a resumed run included; tokens_per_second is this session's.
+        "train_tokens_seen": tokens,
         "train_runtime_s": totals["train_runtime_s"] if resume else runtime,
         "eval_during_training_s": totals["eval_during_training_s"],
         "resumed_from": None if resume is None else os.path.basename(os.path.normpath(resume)),
-        "tokens_per_second": None if tokens is None or not train_seconds > 0 else tokens / train_seconds,
+        "tokens_per_second": None if tokens is None or not train_seconds > 0 else session_tokens / train_seconds,
         "wall_time_s": time.perf_counter() - started,
         "world_size": training_args.world_size,
         "device": str(training_args.device),

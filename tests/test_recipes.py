@@ -575,7 +575,7 @@ def test_a_stop_while_a_checkpoint_is_saved_removes_it_and_resumes_from_the_one_
     out = tmp_path / "run"
     argv = ["--output_dir", str(out), "--vocab_size", "2000", "--max_steps", "8", "--train_tokens", "4000",
             "--eval_tokens", "400", "--test_tokens", "400", "--eval_strategy", "no", "--save_strategy", "steps",
-            "--save_steps", "3", *TINY]  # fmt: skip
+            "--save_steps", "3", "--logging_steps", "1", *TINY]  # fmt: skip
     cut_short = (
         "import os, runpy, sys, transformers\n"
         "save = transformers.TrainerState.save_to_json\n"
@@ -604,6 +604,13 @@ def test_a_stop_while_a_checkpoint_is_saved_removes_it_and_resumes_from_the_one_
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 8
     results = json.loads((out / "results.json").read_text())
     assert results["train_runtime_s"] > earlier > 0  # the first session's training time is carried over
+    assert results["train_tokens_seen"] == 8 * 8 * 17  # and its tokens: 8 steps of 8 blocks of 17
+    from recipes.benchmarks import synthetic_curves
+
+    run = synthetic_curves.load_run(out)
+    assert run["tokens"] == 8 * 8 * 17 and run["train_seconds"] == results["train_runtime_s"]
+    seconds = results["train_runtime_s"] - results["eval_during_training_s"]  # the whole run's, without evaluation
+    assert math.isclose(run["tokens_per_second"], 8 * 8 * 17 / seconds)
 
     (out / "results.json").unlink()
     newest = max(out.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
@@ -800,6 +807,27 @@ def test_synthetic_curves_tables_wikitext2_runs_against_the_full_softmax(trained
     assert "vs_full_pct" not in rows["full"] and "vs_unigram_pct" not in rows["midx-rq"]
     text = (tmp_path / "report" / "synthetic_curves.md").read_text()
     assert f"## WikiText-2, V = {vocab:,}\n" in text and "optimum" not in text
+
+
+def test_synthetic_curves_wall_clock_leaves_out_evaluation_and_carries_a_resumed_runs_sessions():
+    """The Trainer's train_runtime at a log counts from its own session's start, evaluations included."""
+    from recipes.benchmarks import synthetic_curves
+
+    history = [
+        {"step": 250, "loss": 6.0, "train_runtime": 400.0},
+        {"step": 500, "loss": 5.0, "train_runtime": 800.0},
+        {"step": 500, "eval_loss": 5.1, "eval_runtime": 10.0},  # then checkpoint-500; the run stops after step 600
+        {"step": 750, "loss": 4.5, "train_runtime": 350.0},  # resumed from checkpoint-500
+        {"step": 1000, "loss": 4.0, "train_runtime": 700.0},
+        {"step": 1000, "eval_loss": 4.1, "eval_runtime": 20.0},
+        {"step": 1250, "loss": 3.5, "train_runtime": 1070.0},
+        {"step": 1250, "train_loss": 5.0, "train_runtime": 1075.0},  # the session's summary: not a training log
+    ]
+    steps, seconds = synthetic_curves.wall_clock(history)
+    assert steps == [0, 250, 500, 750, 1000, 1250] and seconds == [0.0, 400.0, 800.0, 1150.0, 1500.0, 1850.0]
+    # One session: evaluations come off the logs after them.
+    one = [history[0], history[1], history[2], {"step": 750, "loss": 4.5, "train_runtime": 1210.0}]
+    assert synthetic_curves.wall_clock(one) == ([0, 250, 500, 750], [0.0, 400.0, 800.0, 1200.0])
 
 
 def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path, monkeypatch):

@@ -11,9 +11,9 @@ For every corpus and vocabulary size this writes
   per-seed differences, in % of unigram's perplexity; "below by more than twice the paired sd" is the
   claim these figures test); and its mean's difference to the full softmax's mean (in %);
 * ``<name>_<corpus>_v<V>.png``: validation perplexity (/ optimum) against training tokens and against
-  training wall-clock (the Trainer's ``train_runtime`` at each log, evaluation excluded), and the
-  training-time coverage diagnostics that ``MidxCallback`` logs (ESS / M, KL(P || Q), the exact head's
-  share of the softmax mass, P's mass on classes with p / q > 10) against tokens.
+  training wall-clock (the Trainer's ``train_runtime`` at each log, evaluation excluded; a resumed run's
+  sessions end to end), and the training-time coverage diagnostics that ``MidxCallback`` logs (ESS / M,
+  KL(P || Q), the exact head's share of the softmax mass, P's mass on classes with p / q > 10) against tokens.
 
 Run: ``python recipes/benchmarks/synthetic_curves.py runs/syn/* --out recipes/benchmarks/results/cpu-synthetic``
 (or the output folders of ``recipes/wikitext2.py`` runs).
@@ -73,11 +73,38 @@ def run_seed(results: dict, run_dir: Path) -> int:
     return int(found.group(1))
 
 
+def wall_clock(history: list[dict]) -> tuple[list[int], list[float]]:
+    """Steps and training seconds, evaluation excluded, at each training log of a Trainer's ``log_history``.
+
+    Starts at (0, 0.0). A training log's ``train_runtime`` counts from the start of its own session, the
+    evaluations logged before it included (an evaluation follows the log of its step). A resumed run's history
+    holds the earlier sessions' logs up to the checkpoint it resumed from, then the new session's: where the
+    runtime falls back a session begins, and it is put after the one before. Exact when checkpoints are saved at
+    log steps, as in the recipes; otherwise the steps between a session's last log and its checkpoint are left out.
+    """
+    steps, seconds = [0], [0.0]
+    offset = runtime = evaluated = 0.0  # earlier sessions' seconds; this session's runtime and evaluation so far
+    pending: list[tuple[int, float]] = []  # (step, seconds) of the evaluations since the last training log
+    for e in history:
+        if "eval_runtime" in e:
+            pending.append((e["step"], e["eval_runtime"]))
+        elif "loss" in e and "train_runtime" in e:
+            if e["train_runtime"] < runtime:
+                offset, evaluated = seconds[-1], 0.0
+                pending = [(step, t) for step, t in pending if step > steps[-1]]  # the rest were the last session's
+            evaluated += sum(t for _, t in pending)
+            pending, runtime = [], e["train_runtime"]
+            steps.append(e["step"])
+            seconds.append(offset + runtime - evaluated)
+    return steps, seconds
+
+
 def load_run(run_dir: Path) -> dict:
     """One run: label, seed, corpus, V, optimum (None on WikiText-2), final test perplexity and its curves."""
     try:
         results = json.loads((run_dir / "results.json").read_text())
-        history = json.loads((run_dir / "trainer_state.json").read_text())["log_history"]
+        state = json.loads((run_dir / "trainer_state.json").read_text())
+        history = state["log_history"]
     except (OSError, ValueError, KeyError) as err:
         raise SystemExit(f"{run_dir}: not a finished large_vocab or wikitext2 run ({err}).") from None
     if results.get("recipe") not in CORPORA or not results.get("complete"):
@@ -87,9 +114,8 @@ def load_run(run_dir: Path) -> dict:
     optimum = results.get("optimal_perplexity")  # the synthetic chain's; WikiText-2 has none
     scale = optimum or 1.0
     train = [e for e in history if "loss" in e and "train_runtime" in e]
-    # Wall-clock at a step: the Trainer's cumulative train_runtime, interpolated between training logs.
-    steps = [0] + [e["step"] for e in train]
-    runtimes = [0.0] + [e["train_runtime"] for e in train]
+    # Wall-clock at a step: the training seconds at each log, interpolated between logs.
+    steps, runtimes = wall_clock(history)
 
     def seconds_at(step: int) -> float:
         for (s0, t0), (s1, t1) in zip(zip(steps, runtimes), zip(steps[1:], runtimes[1:])):
@@ -97,6 +123,11 @@ def load_run(run_dir: Path) -> dict:
                 return t0 + (t1 - t0) * (step - s0) / max(s1 - s0, 1)
         return runtimes[-1]
 
+    # The whole run's, also where results.json predates whole-run tokens or gives a resumed session's speed.
+    tokens = state.get("num_input_tokens_seen") or results["train_tokens_seen"]
+    tokens_per_second = results["tokens_per_second"]
+    if results.get("resumed_from") and tokens:
+        tokens_per_second = tokens / (results["train_runtime_s"] - results.get("eval_during_training_s", 0.0))
     evals = [
         {
             "step": e["step"],
@@ -119,9 +150,9 @@ def load_run(run_dir: Path) -> dict:
         "optimum": optimum,
         "test_perplexity": results["test_perplexity"],
         "test_ratio": results["test_perplexity"] / scale,
-        "tokens": results["train_tokens_seen"],
+        "tokens": tokens,
         "train_seconds": results["train_runtime_s"],
-        "tokens_per_second": results["tokens_per_second"],
+        "tokens_per_second": tokens_per_second,
         "evals": evals,
         "diagnostics": diagnostics,
     }
