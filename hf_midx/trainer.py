@@ -22,6 +22,7 @@ normalization over ``labels[..., 1:]`` comes from the wrapped model's ``loss_typ
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 from typing import Any
@@ -81,18 +82,20 @@ class MidxTrainer(PerplexityMixin, Trainer):
     """
 
     def __init__(self, model=None, args=None, *more, **kwargs) -> None:
-        if args is not None:
-            refuse_data_parallel(args)  # before the Trainer creates output_dir
-        self._midx_tokens: torch.Tensor | None = None  # tokens this process trained on in this train() call
-        self.model_card_extras: dict[str, Any] = {}
-        super().__init__(model, args, *more, **kwargs)
-        for option, value in (("label_smoothing_factor", self.args.label_smoothing_factor),
-                              ("compute_loss_func", self.compute_loss_func)):
+        # Checked before the Trainer creates output_dir (and, with push_to_hub, the Hub repository).
+        given = inspect.signature(Trainer.__init__).bind_partial(self, model, args, *more, **kwargs).arguments
+        for option, value in (("label_smoothing_factor", getattr(args, "label_smoothing_factor", 0.0)),
+                              ("compute_loss_func", given.get("compute_loss_func"))):  # fmt: skip
             if value:
                 raise ValueError(
                     f"MidxTrainer cannot use {option}: it needs the full logits, which the MIDX head does not "
                     "compute during training (it computes the sampled-softmax loss itself)."
                 )
+        if args is not None:
+            refuse_data_parallel(args)
+        self._midx_tokens: torch.Tensor | None = None  # tokens this process trained on in this train() call
+        self.model_card_extras: dict[str, Any] = {}
+        super().__init__(model, args, *more, **kwargs)
         _head_of(self)
         self.midx_callback: MidxCallback = MidxCallback.install(self)
 
@@ -119,6 +122,19 @@ class MidxTrainer(PerplexityMixin, Trainer):
         self.midx_callback.head = self.midx_callback.head or self.midx_head
         return self.midx_callback.refresh(self.state)
 
+    def check_checkpoint(self, checkpoint: str | os.PathLike) -> None:
+        """Check that ``checkpoint`` holds a MIDX state this trainer can resume from; loads nothing.
+
+        ``train(resume_from_checkpoint=...)`` calls it first; call it yourself to refuse a checkpoint before
+        anything is written.
+
+        Raises:
+            ValueError: no MIDX state (a plain Trainer's checkpoint), or one made for another vocabulary,
+                hidden size, sampler, codebook size, quantizer or codebook mode, or another number of processes.
+        """
+        read_state(os.fspath(checkpoint), self.midx_head, rank=self.args.process_index,
+                   world_size=self.args.world_size)  # fmt: skip
+
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         """``Trainer.train``; a MIDX checkpoint is checked against the model before anything is loaded
         (``ValueError``: no MIDX state, or another V, D, sampler or codebooks), then handed to the callback."""
@@ -128,7 +144,7 @@ class MidxTrainer(PerplexityMixin, Trainer):
         self.midx_callback.resume_from_checkpoint = None
         if isinstance(checkpoint, (str, os.PathLike)):
             checkpoint = os.fspath(checkpoint)
-            read_state(checkpoint, self.midx_head, rank=self.args.process_index, world_size=self.args.world_size)
+            self.check_checkpoint(checkpoint)
             self.midx_callback.resume_from_checkpoint = checkpoint
         self._midx_tokens = None
         kwargs = dict(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)

@@ -340,7 +340,8 @@ def check_output_and_resume(training_args, overwrite: bool = False) -> str | Non
     """Validate ``--output_dir`` and ``--resume_from_checkpoint``; returns the checkpoint to resume or None.
 
     ``--resume_from_checkpoint last`` (or ``true``) picks the newest complete ``checkpoint-*`` in output_dir
-    (one cut short while being saved, e.g. by a killed process, is passed over with a warning). Without a
+    (one cut short while being saved, e.g. by a killed process, is passed over with a warning); a folder given
+    by path must be a complete checkpoint. Without a
     checkpoint to resume and without ``overwrite`` (``--overwrite_output_dir``), an output_dir holding a
     finished run (``results.json``) or an unfinished one (``checkpoint-*``) is a RecipeError: the earlier
     run is left as it is.
@@ -383,6 +384,16 @@ def check_output_and_resume(training_args, overwrite: bool = False) -> str | Non
         return last
     if not os.path.isdir(resume):
         raise RecipeError(f"--resume_from_checkpoint {resume!r} is not a checkpoint directory.")
+    if os.path.isfile(os.path.join(resume, RESULTS_NAME)):
+        raise RecipeError(
+            f"--resume_from_checkpoint {resume!r} is a finished run's output folder, not a checkpoint: give one of "
+            "its checkpoint-N folders, or --output_dir with --resume_from_checkpoint last."
+        )
+    if not os.path.isfile(os.path.join(resume, "trainer_state.json")):
+        raise RecipeError(
+            f"--resume_from_checkpoint {resume!r} has no trainer_state.json: not a complete checkpoint (one cut "
+            "short while being saved, or a saved model); give a complete checkpoint-N folder, or last."
+        )
     return resume
 
 

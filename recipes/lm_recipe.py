@@ -36,6 +36,7 @@ from transformers import Trainer, TrainerCallback
 
 import hf_midx
 from hf_midx.model_card import extend_model_card, save_model_card
+from hf_midx.state import has_state
 from hf_midx.trainer import MidxTrainer, PerplexityMixin
 
 if __package__:  # imported as recipes.lm_recipe (python -m recipes.wikitext2, the tests, the benchmarks)
@@ -239,17 +240,18 @@ class TrainingClock(TrainerCallback):
                 TIME_NAME,
             )
         self.began = self.last_line = time.perf_counter()
+        self.ended: float | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start_tokens, self.eval_seconds, self.training = state.num_input_tokens_seen, 0.0, True
-        self.began, self.start_step = time.perf_counter(), state.global_step
+        self.began, self.start_step, self.ended = time.perf_counter(), state.global_step, None
         self.last_line = self.began - PROGRESS_SECONDS  # the first step logs a line
         if self.resume is not None and state.is_world_process_zero:
             step, total = state.global_step, state.max_steps
             logger.info("resuming from %s (step %d of %d)", os.path.basename(self.resume), step, total)
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.training = False
+        self.training, self.ended = False, time.perf_counter()  # the final evaluations and saves do not count
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if self.training and metrics:
@@ -279,7 +281,7 @@ class TrainingClock(TrainerCallback):
     def totals(self) -> dict[str, float]:
         """Training and in-training evaluation seconds of the whole run so far (earlier sessions included)."""
         return {
-            "train_runtime_s": self.earlier["train_runtime_s"] + time.perf_counter() - self.began,
+            "train_runtime_s": self.earlier["train_runtime_s"] + (self.ended or time.perf_counter()) - self.began,
             "eval_during_training_s": self.earlier["eval_during_training_s"] + self.eval_seconds,
         }
 
@@ -349,8 +351,9 @@ def train_and_report(
     go when training starts, so that none is taken for this run's (``--resume_from_checkpoint last``, the
     Trainer's rotation of old checkpoints).
 
-    Raises RecipeError for problems found before the Trainer exists (model config, head wrapping, one
-    process on several GPUs); anything later propagates with its traceback, and no ``results.json`` is written.
+    Raises RecipeError for problems found before anything is written (model config, head wrapping, one process
+    on several GPUs, a checkpoint to resume made with another sampler configuration); anything later propagates
+    with its traceback, and no ``results.json`` is written.
     """
     from transformers import set_seed
     from transformers.trainer_callback import PrinterCallback
@@ -372,13 +375,28 @@ def train_and_report(
         callbacks=[counter],
     )
     if midx_config is None:
+        if resume is not None and has_state(resume):
+            raise lm_args.RecipeError(
+                f"--resume_from_checkpoint {resume!r} was trained with a MIDX head: resume it with the same --sampler "
+                f"and MIDX flags, or start a new run from its weights with --model_name_or_path {resume}."
+            )
         trainer = FullSoftmaxTrainer(**kwargs)
     else:
+        # A model with more embedding rows than the data's vocabulary (padded, as many are): those never occur.
+        counts = data.class_counts
+        rows = model.get_output_embeddings().weight.shape[0]
+        if counts is not None and counts.shape[0] < rows:
+            counts = torch.cat([counts, counts.new_zeros(rows - counts.shape[0])])
         try:
-            hf_midx.wrap(model, midx_config, class_counts=data.class_counts)
+            hf_midx.wrap(model, midx_config, class_counts=counts)
             trainer = MidxTrainer(**kwargs)  # refuses one process on several GPUs (DataParallel)
         except ValueError as err:
             raise lm_args.RecipeError(f"cannot train with --sampler {midx_config.sampler}: {err}") from None
+        if resume is not None:
+            try:
+                trainer.check_checkpoint(resume)  # before anything is written; train() would find it too late
+            except ValueError as err:
+                raise lm_args.RecipeError(f"--resume_from_checkpoint: {err}") from None
         # The config in use: an exact_head above V/8 is lowered, and the card and results.json say so.
         midx_config = trainer.midx_config
     num_params = sum(p.numel() for p in model.parameters())

@@ -553,6 +553,18 @@ def test_output_dir_with_checkpoints_needs_resume_or_overwrite(tmp_path):
     assert check_output_and_resume(TrainingArguments(output_dir=str(tmp_path / "new"), report_to="none")) is None
 
 
+def run_patched(patch: str, script: str, *args: str) -> subprocess.CompletedProcess:
+    """``python recipes/<script> args`` with ``patch`` (Python source) run first in the same process."""
+    code = patch + (
+        "import os, runpy, sys\n"
+        "sys.argv = sys.argv[1:]\n"
+        "sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as `python recipes/large_vocab.py` has it\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    return subprocess.run([sys.executable, "-c", code, str(RECIPES / script), *args], cwd=REPO, env=recipe_env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
 def test_resume_last_passes_over_a_checkpoint_cut_short_with_a_warning(tmp_path, caplog):
     from transformers import TrainingArguments
 
@@ -577,19 +589,15 @@ def test_a_stop_while_a_checkpoint_is_saved_removes_it_and_resumes_from_the_one_
             "--eval_tokens", "400", "--test_tokens", "400", "--eval_strategy", "no", "--save_strategy", "steps",
             "--save_steps", "3", "--logging_steps", "1", *TINY]  # fmt: skip
     cut_short = (
-        "import os, runpy, sys, transformers\n"
+        "import transformers\n"
         "save = transformers.TrainerState.save_to_json\n"
         "def save_to_json(self, path):\n"
         "    if 'checkpoint-6' in path:\n"
         "        raise KeyboardInterrupt  # as Ctrl-C would, the weights and optimizer written\n"
         "    save(self, path)\n"
         "transformers.TrainerState.save_to_json = save_to_json\n"
-        "sys.argv = sys.argv[1:]\n"
-        "sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as `python recipes/large_vocab.py` has it\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
-    stopped = subprocess.run([sys.executable, "-c", cut_short, str(RECIPES / "large_vocab.py"), *argv], cwd=REPO,
-                             env=recipe_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    stopped = run_patched(cut_short, "large_vocab.py", *argv)
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     lines = [line for line in stopped.stderr.splitlines() if line.startswith("large_vocab.py:")]
     assert lines == [
@@ -598,12 +606,24 @@ def test_a_stop_while_a_checkpoint_is_saved_removes_it_and_resumes_from_the_one_
     ], stopped.stderr[-3000:]
     assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-3"]
     earlier = json.loads((out / "checkpoint-3" / "recipe_time.json").read_text())["train_runtime_s"]
-    resumed = run_recipe("large_vocab.py", *argv, "--resume_from_checkpoint", "last")
+    slow_test_split = (
+        "import time, transformers\n"
+        "evaluate = transformers.Trainer.evaluate\n"
+        "def slow(self, *args, **kwargs):\n"
+        "    if kwargs.get('metric_key_prefix') == 'test':\n"
+        "        time.sleep(2)  # after training: not training time\n"
+        "    return evaluate(self, *args, **kwargs)\n"
+        "transformers.Trainer.evaluate = slow\n"
+    )
+    resumed = run_patched(slow_test_split, "large_vocab.py", *argv, "--resume_from_checkpoint", "last")
     check_ok(resumed)
     assert "resuming from checkpoint-3" in resumed.stderr and "recipe_time.json" not in resumed.stderr
-    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 8
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 8
     results = json.loads((out / "results.json").read_text())
-    assert results["train_runtime_s"] > earlier > 0  # the first session's training time is carried over
+    # The first session's training time is carried over; the final evaluations and saves are left out.
+    session = next(e["train_runtime"] for e in state["log_history"] if "train_loss" in e)
+    assert earlier > 0 and abs(results["train_runtime_s"] - (earlier + session)) < 1.0, (results, earlier, session)
     assert results["train_tokens_seen"] == 8 * 8 * 17  # and its tokens: 8 steps of 8 blocks of 17
     from recipes.benchmarks import synthetic_curves
 
@@ -618,6 +638,58 @@ def test_a_stop_while_a_checkpoint_is_saved_removes_it_and_resumes_from_the_one_
     again = run_recipe("large_vocab.py", *argv, "--max_steps", "9", "--resume_from_checkpoint", "last")
     check_ok(again)
     assert f"{newest.name} has no recipe_time.json" in again.stderr and "this session only" in again.stderr
+
+
+def test_a_model_with_more_embedding_rows_than_the_vocabulary_trains_with_midx(tmp_path):
+    """Many models pad their embeddings past the tokenizer (Pythia, Qwen2): the rows beyond it get zero counts."""
+    out = tmp_path / "padded"
+    tiny = [arg.replace("n_layer=1", "n_layer=1,vocab_size=2008") for arg in TINY]
+    result = run_recipe("large_vocab.py", "--output_dir", str(out), "--vocab_size", "2000", "--max_steps", "3",
+                        "--train_tokens", "2000", "--eval_tokens", "400", "--test_tokens", "400", "--eval_strategy", "no",
+                        "--save_strategy", "no", *tiny)  # fmt: skip
+    check_ok(result)
+    results = json.loads((out / "results.json").read_text())
+    assert results["complete"] and results["midx_config"]["sampler"] == "midx-rq"
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 2008
+
+
+def test_resuming_a_checkpoint_of_another_configuration_is_one_line_and_leaves_the_runs_as_they_were(tmp_path):
+    """A MIDX checkpoint resumed with other MIDX flags or with the full softmax, a full-softmax one with MIDX, a
+    folder that is not a complete checkpoint: exit 2, one error line, both finished runs unchanged byte for byte
+    (results.json included: the refusal comes before anything is written)."""
+    flags = ["--vocab_size", "2000", "--max_steps", "4", "--train_tokens", "4000", "--eval_tokens", "400",
+             "--test_tokens", "400", "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "2", *TINY]
+    midx, full = tmp_path / "midx", tmp_path / "full"
+    first = [start("large_vocab.py", "--output_dir", str(d), "--sampler", s, *flags)
+             for d, s in ((midx, "midx-rq"), (full, "full"))]  # fmt: skip
+    for proc in first:
+        check_ok(finish(proc))
+    cut = tmp_path / "cut-short"
+    shutil.copytree(midx / "checkpoint-2", cut)
+    (cut / "trainer_state.json").unlink()
+    cases = {
+        "codebook_size: checkpoint '32', model '16'": (midx, "midx-rq", ["--codebook_size", "16"], "last"),
+        "was trained with a MIDX head": (midx, "full", [], "last"),
+        "has no midx_state.safetensors": (full, "midx-rq", [], "last"),
+        "has no trainer_state.json": (midx, "midx-rq", [], str(cut)),
+        "a finished run's output folder": (midx, "midx-rq", [], str(midx)),
+    }
+
+    def files(d):
+        return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+    before = {d: files(d) for d in (midx, full)}
+    procs = {
+        why: start("large_vocab.py", "--output_dir", str(d), "--sampler", s, *more, *flags,
+                   "--resume_from_checkpoint", resume)
+        for why, (d, s, more, resume) in cases.items()
+    }  # fmt: skip
+    for why, proc in procs.items():
+        result = finish(proc)
+        lines = [line for line in result.stderr.splitlines() if line.startswith("large_vocab.py:")]
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (why, result.stderr[-3000:])
+        assert len(lines) == 1 and lines[0].startswith("large_vocab.py: error: ") and why in lines[0], (why, lines)
+    assert {d: files(d) for d in (midx, full)} == before
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
