@@ -356,7 +356,8 @@ def check_output_and_resume(training_args, overwrite: bool = False) -> str | Non
             if os.path.exists(os.path.join(out, RESULTS_NAME)):
                 raise RecipeError(
                     f"--output_dir {out!r} holds a finished run ({RESULTS_NAME}); give another --output_dir, "
-                    "--resume_from_checkpoint last to continue it, or --overwrite_output_dir to replace it."
+                    "--resume_from_checkpoint last with a larger --max_steps to train it on, or --overwrite_output_dir "
+                    "to replace it."
                 )
             if found:
                 raise RecipeError(
@@ -381,7 +382,7 @@ def check_output_and_resume(training_args, overwrite: bool = False) -> str | Non
                 ", ".join(partial),
                 os.path.basename(last),
             )
-        return last
+        return _check_steps_left(last, training_args)
     if not os.path.isdir(resume):
         raise RecipeError(f"--resume_from_checkpoint {resume!r} is not a checkpoint directory.")
     if os.path.isfile(os.path.join(resume, RESULTS_NAME)):
@@ -394,7 +395,26 @@ def check_output_and_resume(training_args, overwrite: bool = False) -> str | Non
             f"--resume_from_checkpoint {resume!r} has no trainer_state.json: not a complete checkpoint (one cut "
             "short while being saved, or a saved model); give a complete checkpoint-N folder, or last."
         )
-    return resume
+    return _check_steps_left(resume, training_args)
+
+
+def _check_steps_left(checkpoint: str, training_args) -> str:
+    """``checkpoint``, or a RecipeError when it is already at ``--max_steps`` (the Trainer would train one more
+    step past it)."""
+    if training_args.max_steps is None or training_args.max_steps <= 0:
+        return checkpoint  # --num_train_epochs: the steps depend on the data
+    path = os.path.join(checkpoint, "trainer_state.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            step = int(json.load(f)["global_step"])
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise RecipeError(f"--resume_from_checkpoint: cannot read the step of {path!r} ({err}).") from None
+    if step >= training_args.max_steps:
+        raise RecipeError(
+            f"nothing to train: {os.path.basename(os.path.normpath(checkpoint))} is at step {step}, --max_steps is "
+            f"{training_args.max_steps}; raise --max_steps to train it on."
+        )
+    return checkpoint
 
 
 def hub_unreachable() -> str | None:

@@ -438,6 +438,7 @@ def train_and_report(
 
     runtime = float(metrics.get("train_runtime", float("nan")))
     train_seconds = runtime - counter.eval_seconds  # without the evaluations during training
+    trained = trainer.state.global_step > counter.start_step  # False: resumed after its last epoch
     totals = counter.totals()
     tokens = session_tokens = None
     if training_args.include_num_input_tokens_seen != "no":
@@ -468,7 +469,7 @@ def train_and_report(
         "valid_perplexity": valid["perplexity"],
         "test_loss": None if test is None else test["loss"],
         "test_perplexity": None if test is None else test["perplexity"],
-        "train_loss": metrics.get("train_loss"),
+        "train_loss": metrics.get("train_loss") if trained else None,
         "global_step": trainer.state.global_step,
         "epoch": trainer.state.epoch,
         # The whole run's, earlier sessions of a resumed run included; tokens_per_second is this session's.
@@ -476,7 +477,7 @@ def train_and_report(
         "train_runtime_s": totals["train_runtime_s"] if resume else runtime,
         "eval_during_training_s": totals["eval_during_training_s"],
         "resumed_from": None if resume is None else os.path.basename(os.path.normpath(resume)),
-        "tokens_per_second": None if tokens is None or not train_seconds > 0 else session_tokens / train_seconds,
+        "tokens_per_second": session_tokens / train_seconds if tokens is not None and trained and train_seconds > 0 else None,
         "wall_time_s": time.perf_counter() - started,
         "world_size": training_args.world_size,
         "device": str(training_args.device),

@@ -656,7 +656,7 @@ def test_a_model_with_more_embedding_rows_than_the_vocabulary_trains_with_midx(t
 def test_resuming_a_checkpoint_of_another_configuration_is_one_line_and_leaves_the_runs_as_they_were(tmp_path):
     """A MIDX checkpoint resumed with other MIDX flags or with the full softmax, a full-softmax one with MIDX, a
     folder that is not a complete checkpoint: exit 2, one error line, both finished runs unchanged byte for byte
-    (results.json included: the refusal comes before anything is written)."""
+    (results.json included: the refusal comes before anything is written); so is the right one at --max_steps."""
     flags = ["--vocab_size", "2000", "--max_steps", "4", "--train_tokens", "4000", "--eval_tokens", "400",
              "--test_tokens", "400", "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "2", *TINY]
     midx, full = tmp_path / "midx", tmp_path / "full"
@@ -664,15 +664,17 @@ def test_resuming_a_checkpoint_of_another_configuration_is_one_line_and_leaves_t
              for d, s in ((midx, "midx-rq"), (full, "full"))]  # fmt: skip
     for proc in first:
         check_ok(finish(proc))
-    cut = tmp_path / "cut-short"
-    shutil.copytree(midx / "checkpoint-2", cut)
+    step2, cut = midx / "checkpoint-2", tmp_path / "cut-short"
+    shutil.copytree(step2, cut)
     (cut / "trainer_state.json").unlink()
     cases = {
-        "codebook_size: checkpoint '32', model '16'": (midx, "midx-rq", ["--codebook_size", "16"], "last"),
-        "was trained with a MIDX head": (midx, "full", [], "last"),
-        "has no midx_state.safetensors": (full, "midx-rq", [], "last"),
+        "codebook_size: checkpoint '32', model '16'": (midx, "midx-rq", ["--codebook_size", "16"], str(step2)),
+        "was trained with a MIDX head": (midx, "full", [], str(step2)),
+        "has no midx_state.safetensors": (full, "midx-rq", [], str(full / "checkpoint-2")),
         "has no trainer_state.json": (midx, "midx-rq", [], str(cut)),
         "a finished run's output folder": (midx, "midx-rq", [], str(midx)),
+        # The Trainer would train a fifth step past --max_steps 4.
+        "nothing to train: checkpoint-4 is at step 4, --max_steps is 4": (midx, "midx-rq", [], "last"),
     }
 
     def files(d):
