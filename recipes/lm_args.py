@@ -341,10 +341,9 @@ def check_output_and_resume(training_args, overwrite: bool = False) -> str | Non
 
     ``--resume_from_checkpoint last`` (or ``true``) picks the newest complete ``checkpoint-*`` in output_dir
     (one cut short while being saved, e.g. by a killed process, is passed over with a warning); a folder given
-    by path must be a complete checkpoint. Without a
-    checkpoint to resume and without ``overwrite`` (``--overwrite_output_dir``), an output_dir holding a
-    finished run (``results.json``) or an unfinished one (``checkpoint-*``) is a RecipeError: the earlier
-    run is left as it is.
+    by path must be a complete checkpoint; either must be below ``--max_steps``. Without a checkpoint to resume
+    and without ``overwrite`` (``--overwrite_output_dir``), an output_dir holding a finished run
+    (``results.json``) or an unfinished one (``checkpoint-*``) is a RecipeError: the earlier run is left as it is.
     """
     out = training_args.output_dir
     if os.path.exists(out) and not os.path.isdir(out):

@@ -477,7 +477,9 @@ def train_and_report(
         "train_runtime_s": totals["train_runtime_s"] if resume else runtime,
         "eval_during_training_s": totals["eval_during_training_s"],
         "resumed_from": None if resume is None else os.path.basename(os.path.normpath(resume)),
-        "tokens_per_second": session_tokens / train_seconds if tokens is not None and trained and train_seconds > 0 else None,
+        "tokens_per_second": (
+            session_tokens / train_seconds if session_tokens is not None and trained and train_seconds > 0 else None
+        ),
         "wall_time_s": time.perf_counter() - started,
         "world_size": training_args.world_size,
         "device": str(training_args.device),
