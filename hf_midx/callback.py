@@ -480,7 +480,7 @@ class MidxCallback(TrainerCallback):
         learner, optimizer = self.codebook_learner, self.codebook_optimizer
         try:
             with full_head_weight(self.head) as (weight, _):
-                out = learner(weight, queries.to(weight.device))
+                out = learner(weight, queries.to(weight.device) * self.head.logit_scale)
         except ValueError:
             self.check_finite(state)  # NaN in the weight or the queries: say where it came from
             raise
@@ -505,8 +505,11 @@ class MidxCallback(TrainerCallback):
             if log_kl:
                 # KL(Q||P) stays "midx/kl"; what predicts training quality is the missed mass of P:
                 # KL(P||Q), the effective sample size, P's mass where p/q > 10 (hf_midx.diagnostics).
+                # As the sampler sees them in training: the queries (and bias) times the model's logit scale.
+                scale = head.logit_scale
                 diag = proposal_diagnostics(
-                    head.sampler, queries.to(weight.device), weight, bias, num_samples=head.config.num_samples
+                    head.sampler, queries.to(weight.device) * scale, weight, None if bias is None else bias * scale,
+                    num_samples=head.config.num_samples, logit_softcap=head.logit_softcap,
                 )
                 for key, value in diag.items():
                     if key == "head_mass" and head.exact_ids is None:

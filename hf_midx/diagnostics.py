@@ -42,10 +42,14 @@ DIAGNOSTIC_KEYS = ("kl_qp", "kl_pq", "ess", "ess_sampled", "mass_p_over_q_gt_10"
 _DIAGNOSTIC_SEED = 20_231
 
 
-def _log_softmax(q: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _log_softmax(
+    q: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, softcap: float | None = None
+) -> torch.Tensor:
     logits = q @ w.t()
     if bias is not None:
         logits = logits + bias
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     return torch.log_softmax(logits, dim=1)
 
 
@@ -82,6 +86,7 @@ def proposal_diagnostics(
     *,
     num_samples: int,
     exact_ids: torch.Tensor | None = None,
+    logit_softcap: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """Coverage of the softmax by the proposal, averaged over S held queries (see the module docstring).
 
@@ -92,6 +97,8 @@ def proposal_diagnostics(
         num_samples: M, the draws per token in training (for ``ess_sampled``).
         exact_ids: optional (H,) class ids the loss scores exactly; defaults to the sampler's
             excluded classes. P is then the softmax over the other classes.
+        logit_softcap: the model's final logit soft-cap (Gemma-2), if any: P is the softmax of
+            ``cap * tanh(logits / cap)``. A logit scale is the caller's: pass the queries and bias scaled.
     Returns:
         dict of 0-dim float32 tensors on the sampler's device, keys :data:`DIAGNOSTIC_KEYS`:
         ``kl_qp``, ``kl_pq`` (nats), ``ess``, ``ess_sampled`` (fractions of M in (0, 1]),
@@ -104,6 +111,8 @@ def proposal_diagnostics(
     if weight.shape[0] != sampler.num_classes:
         raise ValueError(f"weight has {weight.shape[0]} rows but the sampler covers V={sampler.num_classes} classes.")
     check_positive_int("num_samples", num_samples)
+    if logit_softcap is not None and not (isinstance(logit_softcap, (int, float)) and logit_softcap > 0):
+        raise ValueError(f"logit_softcap must be a positive number or None, got {logit_softcap!r}.")
     if exact_ids is None:
         exact_ids = sampler.excluded
     elif not isinstance(exact_ids, torch.Tensor) or exact_ids.dim() != 1:
@@ -121,7 +130,7 @@ def proposal_diagnostics(
     sums = dict.fromkeys(DIAGNOSTIC_KEYS, torch.zeros((), dtype=torch.float64, device=device))
     for rows in _chunks(q.shape[0], 2 * sampler.num_classes):
         zq = q[rows]
-        log_p = _log_softmax(zq, w, b)
+        log_p = _log_softmax(zq, w, b, logit_softcap)
         head_mass = torch.zeros(zq.shape[0], device=device)
         if head is not None:
             log_tail = torch.logsumexp(log_p.masked_fill(head, -math.inf), dim=1, keepdim=True)

@@ -187,7 +187,8 @@ def sampled_softmax_loss(
             is one more candidate, corrected by its own log q) or "exact-positive" (the label's logit
             enters as is, the paper); see the module docstring.
         exact_ids: optional (H,) int64 class ids scored exactly for every token (one (T, H) matmul);
-            the sampler must never draw them (build it with ``exclude=exact_ids``). None (the default)
+            they must be the classes the sampler never draws (build it with ``exclude=exact_ids``;
+            ``sampler.excluded`` is the sorted set), else ValueError. None (the default)
             scores no class exactly: choosing the H most frequent classes needs class counts, which
             this function does not see. ``MidxConfig().exact_head`` (2,048) is the head that
             ``MidxLMHead`` builds from ``class_counts``, and the defensive mixture ``MidxConfig().mix_weight``
@@ -224,6 +225,17 @@ def sampled_softmax_loss(
         raise ValueError("exact_ids must be a 1-D integer tensor of class ids (H,), or None.")
     if exact_ids is not None and check_labels:
         check_ids("exact_ids", exact_ids, weight.shape[0])
+    excluded = sampler.excluded  # (H,) sorted, or None
+    num_exact = 0 if exact_ids is None else exact_ids.numel()
+    if num_exact != (0 if excluded is None else excluded.numel()) or (
+        num_exact and check_labels and not torch.equal(torch.sort(exact_ids.to(excluded.device).long()).values, excluded)
+    ):
+        # A head the sampler may draw is counted twice; classes it excludes but the loss does not score are lost.
+        raise ValueError(
+            f"exact_ids ({num_exact} ids) must be the classes the sampler excludes "
+            f"({0 if excluded is None else excluded.numel()}), each once: build the sampler with exclude=exact_ids "
+            "and pass exact_ids=sampler.excluded."
+        )
     if hidden.dtype != weight.dtype:
         # e.g. fp32 hidden states from a norm layer against a bf16 head: one dtype for the matmuls.
         hidden = hidden.to(weight.dtype)
@@ -236,10 +248,9 @@ def sampled_softmax_loss(
     queries = hidden.detach().float()
     common = (
         torch.empty(0, dtype=torch.long, device=device)
-        if exact_ids is None
+        if not num_exact
         else exact_ids.to(device=device, dtype=torch.long)
     )
-    num_exact = common.shape[0]
     # One evaluation of the proposal gives the draws and, for the corrected positive, the label's log q.
     corrected = estimator == "corrected-positive"
     if negatives == "per-query":
@@ -272,8 +283,13 @@ def sampled_softmax_loss(
     neg = tok_logits[:, 1:] if negatives == "per-query" else common_logits[:, num_exact:]
     head = common_logits[:, :num_exact]  # (T, H)
 
-    # A label inside the exact head is already one of the head's terms.
-    in_head = torch.isin(y, common[:num_exact]) if num_exact else torch.zeros_like(valid)
+    # A label inside the exact head is already one of the head's terms. A binary search of the sorted head:
+    # torch.isin of a large head sorts and takes unique values, a device sync on CUDA.
+    if num_exact:
+        head_ids = excluded.to(device)
+        in_head = head_ids[torch.searchsorted(head_ids, y).clamp_max(num_exact - 1)] == y
+    else:
+        in_head = torch.zeros_like(valid)
     n = torch.full(y.shape, float(num_samples), device=device)
     if corrected:
         n = n + (~in_head).float()

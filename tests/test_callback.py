@@ -179,6 +179,29 @@ def test_exact_loss_of_the_last_batch_matches_the_model():
     assert head.last_queries.shape == (min(head.config.kl_queries, 32), 32)
 
 
+@pytest.mark.parametrize("arch", ["granite", "gemma2"])
+def test_logged_coverage_is_of_the_softmax_the_model_trains(arch, tmp_path):
+    """Granite divides its logits by logits_scaling, Gemma-2 soft-caps them: the logged diagnostics compare the
+    proposal with that softmax, and query the sampler as training does (queries times the logit scale)."""
+    from hf_midx.diagnostics import proposal_diagnostics
+
+    model = tiny_model(arch, vocab_size=VOCAB)
+    hf_midx.wrap(model, MidxConfig(num_samples=16, codebook_size=8, kmeans_iters=5))
+    head = MidxLMHead.find(model)
+    assert (head.logit_scale != 1.0) == (arch == "granite") and (head.logit_softcap is not None) == (arch == "gemma2")
+    args = training_args(tmp_path, max_steps=1, logging_steps=1)
+    trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(16)), callbacks=[MidxCallback()])
+    trainer.train()
+    logged = next(e for e in trainer.state.log_history if "midx/kl_pq" in e)
+    queries, weight, bias, scale = head.last_queries, head.weight.detach(), head.bias, head.logit_scale
+    want = proposal_diagnostics(head.sampler, queries * scale, weight, None if bias is None else bias * scale,
+                                num_samples=16, logit_softcap=head.logit_softcap)  # fmt: skip
+    plain = proposal_diagnostics(head.sampler, queries, weight, bias, num_samples=16)
+    for key in ("kl_pq", "ess", "mass_p_over_q_gt_10"):
+        assert logged[f"midx/{key}"] == pytest.approx(float(want[key]), rel=1e-5), key
+    assert logged["midx/kl_pq"] != pytest.approx(float(plain["kl_pq"]), rel=1e-3)
+
+
 def test_refresh_index_rebuilds_from_the_current_weight():
     model = MidxLMHead.wrap(tiny_model("llama"), num_samples=24, codebook_size=8, kmeans_iters=5)
     head = MidxLMHead.find(model)

@@ -101,3 +101,5 @@ def test_diagnostics_check_their_arguments(problem):
         proposal_diagnostics(s, queries, emb[:10], num_samples=4)
     with pytest.raises(ValueError, match=r"exact_ids contains 300"):
         proposal_diagnostics(s, queries, emb, num_samples=4, exact_ids=torch.tensor([300]))
+    with pytest.raises(ValueError, match="logit_softcap must be a positive number or None, got 0"):
+        proposal_diagnostics(s, queries, emb, num_samples=4, logit_softcap=0)

@@ -24,8 +24,8 @@ class FixedDraws(Sampler):
 
     name = "fixed"
 
-    def __init__(self, num_classes, dim, ids, log_q, pool=None, log_qbar=None, log_q_of=None):
-        super().__init__(torch.zeros(num_classes, dim))
+    def __init__(self, num_classes, dim, ids, log_q, pool=None, log_qbar=None, log_q_of=None, exclude=None):
+        super().__init__(torch.zeros(num_classes, dim), exclude=exclude)
         self.ids, self.log_q, self.pool, self.log_qbar = ids, log_q, pool, log_qbar
         self.log_q_of = log_q_of
         self.calls = []
@@ -203,12 +203,14 @@ def test_ignored_tokens_change_nothing():
 
 @pytest.mark.parametrize("negatives", ["per-query", "shared"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_all_ignored_batch_gives_zero_loss_and_zero_gradient(negatives, reduction):
+@pytest.mark.parametrize("estimator", ["exact-positive", "corrected-positive"])
+@pytest.mark.parametrize("name", ["uniform", "midx-rq", "sphere", "lsh"])  # static, and query-dependent ones
+def test_all_ignored_batch_gives_zero_loss_and_zero_gradient(negatives, reduction, estimator, name):
     hidden, weight, bias, labels = _inputs()
     labels[:] = -100
-    sampler = build_sampler("uniform", weight.detach())
+    sampler = build_sampler(name, weight.detach(), **({"codebook_size": 8} if name == "midx-rq" else {}))
     loss = sampled_softmax_loss(hidden, weight, labels, sampler, 8, bias=bias, negatives=negatives,
-                                reduction=reduction, estimator="exact-positive")
+                                reduction=reduction, estimator=estimator)
     assert loss.dtype == torch.float32 and loss.shape == ((10,) if reduction == "none" else ())
     assert bool((loss == 0).all())
     for g in _grads(loss, (hidden, weight, bias)):
@@ -466,7 +468,7 @@ def test_estimators_with_exact_head_match_reference(estimator, with_head, negati
     ids = torch.where(torch.isin(ids, exact_ids) if with_head else torch.zeros_like(ids, dtype=torch.bool), 1, ids)
     log_q = log_q_of[ids]
     shared = negatives == "shared"
-    sampler = FixedDraws(V, D, ids, log_q, ids[0], log_q[0], log_q_of=log_q_of)
+    sampler = FixedDraws(V, D, ids, log_q, ids[0], log_q[0], log_q_of=log_q_of, exclude=exact_ids)
     loss = sampled_softmax_loss(hidden, weight, labels, sampler, 9, bias=bias, negatives=negatives,
                                 reduction=reduction, estimator=estimator, exact_ids=exact_ids)
     ref = general_reference(hidden, weight, labels, ids[0] if shared else ids, log_q[0] if shared else log_q,
@@ -499,7 +501,7 @@ def test_exact_proposal_with_exact_head_gives_the_full_loss_plus_the_known_term(
     log_tail = torch.log_softmax(logits.masked_fill(~tail, -math.inf), dim=1)  # (T, V), -inf on H
     g = torch.Generator().manual_seed(0)
     ids = torch.multinomial(log_tail.exp(), 5, replacement=True, generator=g)
-    sampler = FixedDraws(V, D, ids, log_tail.gather(1, ids))
+    sampler = FixedDraws(V, D, ids, log_tail.gather(1, ids), exclude=exact_ids)
     loss = sampled_softmax_loss(hidden, weight, labels, sampler, 5, bias=bias, exact_ids=exact_ids,
                                 remove_accidental_hits=False, reduction="none", estimator="exact-positive")
     log_z = torch.logsumexp(logits, 1)
@@ -518,6 +520,37 @@ def test_unknown_estimator_and_bad_exact_ids_are_refused():
         sampled_softmax_loss(hidden, weight, labels, sampler, 4, exact_ids=torch.zeros(2, 2, dtype=torch.long), estimator="exact-positive")
     with pytest.raises(ValueError, match=r"exact_ids contains 200, outside \[0, 200\)"):
         sampled_softmax_loss(hidden, weight, labels, sampler, 4, exact_ids=torch.tensor([3, V]), estimator="exact-positive")
+
+
+def test_exact_ids_must_be_the_classes_the_sampler_excludes():
+    hidden, weight, bias, labels = _inputs()
+    head = torch.tensor([4, 9, 30])
+    excluding = build_sampler("uniform", weight.detach(), exclude=head)
+    plain = build_sampler("uniform", weight.detach())
+    for sampler, exact_ids in [(excluding, None), (plain, head), (excluding, torch.tensor([4, 9])),
+                               (excluding, torch.tensor([4, 9, 31])), (excluding, torch.tensor([4, 9, 9]))]:
+        with pytest.raises(ValueError, match=r"exact_ids \(\d ids\) must be the classes the sampler excludes"):
+            sampled_softmax_loss(hidden, weight, labels, sampler, 4, exact_ids=exact_ids)
+    shuffled = sampled_softmax_loss(hidden, weight, labels, excluding, 4, exact_ids=torch.tensor([30, 4, 9]),
+                                    generator=torch.Generator().manual_seed(0))
+    ordered = sampled_softmax_loss(hidden, weight, labels, excluding, 4, exact_ids=excluding.excluded,
+                                   generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(shuffled, ordered)
+
+
+def test_the_training_path_finds_head_labels_without_isin(monkeypatch):
+    """torch.isin of a large head sorts and takes unique values: a device sync on CUDA. The loss uses a binary
+    search of the sorted head instead, and finds the labels inside it alike."""
+    hidden, weight, bias, labels = _inputs(16)
+    head = torch.arange(0, V, 5)
+    labels[:6] = head[:6]
+    sampler = build_sampler("unigram", weight.detach(), exclude=head, class_counts=torch.ones(V))
+    want = sampled_softmax_loss(hidden, weight, labels, sampler, 4, exact_ids=head, reduction="none",
+                                generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(torch, "isin", lambda *a, **k: pytest.fail("torch.isin in the loss"))
+    got = sampled_softmax_loss(hidden, weight, labels, sampler, 4, exact_ids=sampler.excluded, reduction="none",
+                               generator=torch.Generator().manual_seed(0), check_labels=False)
+    torch.testing.assert_close(got, want)  # (the reference tests above check head labels' terms)
 
 
 def test_unchecked_labels_use_a_device_side_assertion():

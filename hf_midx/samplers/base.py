@@ -424,7 +424,10 @@ class Sampler:
         if row_weights is None:
             return None
         w = row_weights.detach().to(device=self.device, dtype=torch.float32)
-        return w.log() - w.sum().clamp_min(torch.finfo(torch.float32).tiny).log()
+        # All zero (every label of the batch ignored): equal weights keep qbar finite, so that the zero loss
+        # of such a batch has a zero gradient, not a NaN one (inf - inf in its logsumexp). No host sync.
+        w = torch.where(w.sum() > 0, w, torch.ones_like(w))
+        return w.log() - w.sum().log()
 
     def _check_embeddings(self, embeddings: torch.Tensor) -> torch.Tensor:
         """Validated (V, D) embeddings as float32 on the device, restricted to the (V', D) candidates."""
