@@ -20,7 +20,8 @@ from _env import offline_env
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "recipes" / "benchmarks"
 
-ENV_KEYS = {"device", "device_type", "torch", "transformers", "hf_midx", "git", "timestamp"}
+ENV_KEYS = {"device", "device_type", "torch", "transformers", "hf_midx", "git", "timestamp", "cuda", "accelerate",
+            "triton", "liger_kernel", "cut_cross_entropy"}  # fmt: skip
 ROW_KEYS = {
     "op",
     "provider",

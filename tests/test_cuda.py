@@ -62,11 +62,15 @@ def test_draws_on_device_fit_their_log_prob(name, problem, fits):
 
 
 # ------------------------------------------------------------------------------------------ losses
+@pytest.mark.parametrize("estimator", ["exact-positive", "corrected-positive"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_sampled_loss_under_the_exact_proposal_has_its_closed_form(dtype, problem):
+def test_sampled_loss_under_the_exact_proposal_has_its_closed_form(dtype, estimator, problem):
     """With Q = softmax (midx-exact) every corrected negative logit is log Z - log M, so without
-    accidental-hit removal the sampled loss is log(exp(o_y) + Z) - o_y = full loss + log(1 + p_y)
-    exactly, whatever was drawn: a deterministic check of the gather, the correction and the dtypes."""
+    accidental-hit removal the paper's estimator gives log(exp(o_y) + Z) - o_y = full loss + log(1 + p_y)
+    exactly, whatever was drawn. With the corrected positive the label is one more candidate, o_y - log((M + 1)
+    p_y) = log Z - log(M + 1) like each negative, in the sum and as the target: the loss is log(M + 1) for
+    every token (its gradient, not its value, estimates the full loss's). A deterministic check of the gather,
+    the correction and the dtypes."""
     emb, queries, _ = problem
     g = torch.Generator().manual_seed(5)
     hidden = (queries[torch.randint(8, (64,), generator=g)].cpu() + 0.1 * torch.randn(64, D, generator=g)).to(DEVICE)
@@ -74,12 +78,14 @@ def test_sampled_loss_under_the_exact_proposal_has_its_closed_form(dtype, proble
     labels[::9] = -100
     weight, hidden = emb.to(dtype), hidden.to(dtype)
     sampler = build_sampler("midx-exact", weight.float(), codebook_size=K, seed=0)
-    got = sampled_softmax_loss(hidden, weight, labels, sampler, 50, reduction="none", remove_accidental_hits=False)
+    got = sampled_softmax_loss(hidden, weight, labels, sampler, 50, reduction="none", remove_accidental_hits=False,
+                               estimator=estimator)  # fmt: skip
     logits = hidden.double() @ weight.double().T  # the reference from the same (rounded) inputs
     full = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
     p_y = (-full).exp()
     keep = labels != -100
-    want = torch.where(keep, full + torch.log1p(p_y), torch.zeros_like(full))
+    closed = full + torch.log1p(p_y) if estimator == "exact-positive" else torch.full_like(full, math.log(51))
+    want = torch.where(keep, closed, torch.zeros_like(full))
     # bf16 logits carry a relative rounding error of 2^-8 (|logit| ~ 1 here); fp32 far less.
     atol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     assert got.dtype == torch.float32 and bool((got[~keep] == 0).all())

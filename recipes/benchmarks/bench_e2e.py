@@ -179,8 +179,8 @@ def run_setting(key: str, args, device, env, bf16: bool, warmup: int, steps: int
             stats = common.time_op(step, device, warmup=warmup, repeats=steps, budget_s=args.budget_s)
             common.free_memory(device)
             mem = common.peak_memory(step, device)
-        except (RuntimeError, MemoryError) as err:
-            rec["skipped"] = f"error: {str(err).splitlines()[0][:160]}"
+        except Exception as err:  # noqa: BLE001 (out of memory, a kernel's own error): recorded, the next case runs
+            rec["skipped"] = f"error: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
             print(f"{case:16s} skipped: {rec['skipped']}")
             out.append(rec)
             model = opt = None

@@ -181,7 +181,9 @@ def environment(device: torch.device) -> dict[str, Any]:
         "platform": platform.platform(), "torch": versions.get("torch", torch.__version__),
         "transformers": versions.get("transformers"), "hf_midx": versions["hf_midx"],
         "faiss": _version("faiss-cpu") or _version("faiss-gpu") or _version("faiss"),
-        "liger_kernel": _version("liger-kernel"), "cuda": torch.version.cuda, "torch_threads": torch.get_num_threads(),
+        "liger_kernel": _version("liger-kernel"), "cut_cross_entropy": _version("cut-cross-entropy"),
+        "accelerate": versions.get("accelerate"), "triton": _version("triton") or _version("pytorch-triton"),
+        "cuda": torch.version.cuda, "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(), "mem_total_gb": round(mem_total_bytes() / 2**30, 1) if mem_total_bytes() else None,
         "git": git_commit(), "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }  # fmt: skip
@@ -195,8 +197,9 @@ def print_header(name: str, env: dict, settings: dict) -> None:
     print(f"== {name} ==")
     print(f"device      : {env['device']}")
     print(
-        f"versions    : hf_midx {env['hf_midx']}, torch {env['torch']}, transformers {env['transformers']}, "
-        f"faiss {env['faiss']}, liger_kernel {env['liger_kernel']}, python {env['python']}"
+        f"versions    : hf_midx {env['hf_midx']}, torch {env['torch']} (CUDA {env.get('cuda')}), transformers "
+        f"{env['transformers']}, accelerate {env.get('accelerate')}, triton {env.get('triton')}, faiss {env['faiss']}, "
+        f"liger_kernel {env['liger_kernel']}, cut_cross_entropy {env.get('cut_cross_entropy')}, python {env['python']}"
     )
     print(f"git commit  : {git['commit']}{' (local changes)' if git['dirty'] else ''}")
     print(f"settings    : {json.dumps(settings, default=str)}")
@@ -421,8 +424,9 @@ def header_markdown(name: str, env: dict, settings: dict) -> str:
         f"# {name}",
         "",
         f"- device: {env['device']}",
-        f"- versions: hf_midx {env['hf_midx']}, torch {env['torch']}, transformers {env['transformers']}, "
-        f"faiss {env['faiss']}, liger_kernel {env['liger_kernel']}",
+        f"- versions: hf_midx {env['hf_midx']}, torch {env['torch']} (CUDA {env.get('cuda')}), transformers "
+        f"{env['transformers']}, accelerate {env.get('accelerate')}, triton {env.get('triton')}, faiss {env['faiss']}, "
+        f"liger_kernel {env['liger_kernel']}, cut_cross_entropy {env.get('cut_cross_entropy')}",
         f"- git commit: {commit}",
         f"- date: {env['timestamp']}",
         f"- settings: `{json.dumps(settings, default=str)}`",
@@ -611,14 +615,16 @@ def exact_kernels(device: torch.device) -> dict[str, Any]:
         from cut_cross_entropy import linear_cross_entropy  # noqa: PLC0415
 
         kernels["cce"] = linear_cross_entropy
-    except ImportError:
-        print("cut_cross_entropy not installed: the cce case is left out (pip install cut-cross-entropy).")
+    except Exception as err:  # noqa: BLE001 (missing, or failing to import against this torch / triton)
+        print(f"cut_cross_entropy unusable ({type(err).__name__}: {err}): the cce case is left out "
+              "(pip install cut-cross-entropy).")  # fmt: skip
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # noqa: PLC0415
 
         kernels["liger"] = LigerFusedLinearCrossEntropyLoss
-    except ImportError:
-        print("liger_kernel not installed: the liger case is left out (pip install liger-kernel).")
+    except Exception as err:  # noqa: BLE001
+        print(f"liger_kernel unusable ({type(err).__name__}: {err}): the liger case is left out "
+              "(pip install liger-kernel).")  # fmt: skip
     return kernels
 
 

@@ -94,7 +94,11 @@ def e2e_table(results: list[dict]) -> list[str]:
 def main(argv=None) -> str:
     folder = Path((argv or sys.argv[1:])[0])
     head = json.loads((folder / "bench_head.json").read_text())
-    lines = [f"# GPU summary ({head['environment'].get('device', '?')})", ""]
+    env = head["environment"]
+    lines = [f"# GPU summary ({env.get('device', '?')})", ""]
+    versions = ("torch", "cuda", "transformers", "accelerate", "triton", "cut_cross_entropy", "liger_kernel", "hf_midx")
+    listed = ", ".join(f"{k} {env.get(k)}" for k in versions)
+    lines += [f"Versions: {listed}; git {env.get('git', {}).get('commit')}.", ""]
     lines += ["Head + loss, forward + backward, bf16, T = 8,192 tokens (median of up to 5 warm calls):", ""]
     lines += head_table(head["results"])
     fewer = fewer_negatives_table(head["results"], "V", "ms")

@@ -261,10 +261,11 @@ def main(argv=None) -> dict:
         # Synthetic runs keep the key of earlier results (V alone); WikiText-2's names its corpus.
         payload["summary"][str(v) if corpus == "synthetic" else f"{corpus}_{v}"] = rows
         sections.append(markdown(corpus, v, rows, group[0]["optimum"]))
-        if not args.no_plots:
-            plot(corpus, v, group, Path(args.out))
-    common.write_outputs(args.out, NAME, payload, "\n\n".join(sections))
+    common.write_outputs(args.out, NAME, payload, "\n\n".join(sections))  # first: a failing plot keeps the table
     print("\n\n".join(sections))
+    if not args.no_plots:
+        for (corpus, v), group in sorted(by_v.items()):
+            plot(corpus, v, group, Path(args.out))
     return payload
 
 
