@@ -33,7 +33,7 @@ import torch
 
 from ._checks import check_ids, check_matrix, check_positive_int
 from .rng import CounterRNG
-from .samplers.base import Sampler, _chunks
+from .samplers.base import Sampler, row_chunks
 
 #: Keys of :func:`proposal_diagnostics`, in logging order.
 DIAGNOSTIC_KEYS = ("kl_qp", "kl_pq", "ess", "ess_sampled", "mass_p_over_q_gt_10", "head_mass")
@@ -68,7 +68,7 @@ def kl_to_softmax(
     total = torch.zeros((), device=q.device)
     w = weight.detach().float().to(q.device)
     b = None if bias is None else bias.detach().float().to(q.device)
-    for rows in _chunks(q.shape[0], sampler.num_classes):
+    for rows in row_chunks(q.shape[0], sampler.num_classes):
         log_p = _log_softmax(q[rows], w, b)
         log_q = sampler.full_log_prob(q[rows])
         # Classes with Q = 0 (e.g. LSH without its uniform mix) add 0 log 0 = 0, not 0 * -inf = NaN.
@@ -128,7 +128,7 @@ def proposal_diagnostics(
         head[exact_ids.to(device)] = True
     gen = CounterRNG(_DIAGNOSTIC_SEED, device=sampler.device)
     sums = dict.fromkeys(DIAGNOSTIC_KEYS, torch.zeros((), dtype=torch.float64, device=device))
-    for rows in _chunks(q.shape[0], 2 * sampler.num_classes):
+    for rows in row_chunks(q.shape[0], 2 * sampler.num_classes):
         zq = q[rows]
         log_p = _log_softmax(zq, w, b, logit_softcap)
         head_mass = torch.zeros(zq.shape[0], device=device)

@@ -39,22 +39,24 @@ from ..rng import CounterRNG, as_counter_rng
 _WORK_ELEMENTS = 1 << 24
 
 
-def _chunks(total: int, per_row: int):
+def row_chunks(total: int, per_row: int):
+    """Slices of ``range(total)`` rows, each of at most about ``_WORK_ELEMENTS / per_row`` rows: bounds the
+    (rows, per_row) temporaries of a chunked computation."""
     step = max(1, _WORK_ELEMENTS // max(per_row, 1))
     for start in range(0, total, step):
         yield slice(start, min(start + step, total))
 
 
-def _inverse_cdf(weights: torch.Tensor, num: int, gen: torch.Generator) -> torch.Tensor:
+def inverse_cdf(weights: torch.Tensor, num: int, gen: torch.Generator) -> torch.Tensor:
     """``num`` i.i.d. draws per row from unnormalized non-negative ``weights`` (..., K) (float32/64).
 
     Returns (..., num) int64. Inverse-CDF sampling by ``searchsorted``; a zero-weight category is never
     returned, because the target stays strictly below the total.
     """
-    return _draw_from_cumsum(weights.cumsum(-1), num, gen)
+    return draw_from_cumsum(weights.cumsum(-1), num, gen)
 
 
-def _draw_from_cumsum(cum: torch.Tensor, num: int, gen: torch.Generator, lead: tuple = ()) -> torch.Tensor:
+def draw_from_cumsum(cum: torch.Tensor, num: int, gen: torch.Generator, lead: tuple = ()) -> torch.Tensor:
     """Inverse-CDF draws from a cumulative sum ``cum`` (..., K); ``lead`` replaces its leading shape
     when ``cum`` is one (K,) table shared by all rows. Returns (*lead or cum.shape[:-1], num) int64."""
     total = cum[..., -1:]
@@ -287,7 +289,7 @@ class Sampler:
         else:
             w = row_weights.detach().to(device=self.device, dtype=torch.float64)
             # clamp: an all-zero weight vector (no valid token) must still index a row.
-            rows = _inverse_cdf(w, num, gen).clamp_max(q.shape[0] - 1)
+            rows = inverse_cdf(w, num, gen).clamp_max(q.shape[0] - 1)
         return self._sample(q[rows], 1, gen)[0][:, 0]
 
     def draw_scored(
@@ -466,7 +468,7 @@ class Sampler:
             return self._log_prob(q[:1], ids.unsqueeze(0))[0]
         out = torch.full((ids.shape[0],), -math.inf, device=self.device)
         # log qbar = logsumexp_t (log w_t + log Q(i|z_t)), accumulated over query chunks.
-        for rows in _chunks(q.shape[0], ids.shape[0]):
+        for rows in row_chunks(q.shape[0], ids.shape[0]):
             lp = self._log_prob(q[rows], ids.expand(rows.stop - rows.start, -1))
             if log_w is not None:
                 lp = lp + log_w[rows].unsqueeze(1)

@@ -7,7 +7,7 @@ import math
 import torch
 
 from .._checks import check_positive_int
-from .base import Sampler, _chunks, _inverse_cdf, register
+from .base import Sampler, row_chunks, inverse_cdf, register
 
 
 class _ExhaustiveSampler(Sampler):
@@ -24,16 +24,16 @@ class _ExhaustiveSampler(Sampler):
     def _sample(self, q, m, gen):
         ids = torch.empty(q.shape[0], m, dtype=torch.long, device=self.device)
         log_q = torch.empty(q.shape[0], m, device=self.device)
-        for rows in _chunks(q.shape[0], self.num_candidates):
+        for rows in row_chunks(q.shape[0], self.num_candidates):
             lw = self._log_weights(q[rows])
             lp = lw - torch.logsumexp(lw, dim=1, keepdim=True)
-            drawn = _inverse_cdf(lp.double().exp(), m, gen)
+            drawn = inverse_cdf(lp.double().exp(), m, gen)
             ids[rows], log_q[rows] = drawn, lp.gather(1, drawn)
         return ids, log_q
 
     def _log_prob(self, q, ids):
         out = torch.empty(ids.shape, device=self.device)
-        for rows in _chunks(q.shape[0], self.num_candidates):
+        for rows in row_chunks(q.shape[0], self.num_candidates):
             lw = self._log_weights(q[rows])
             out[rows] = lw.gather(1, ids[rows]) - torch.logsumexp(lw, dim=1, keepdim=True)
         return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_positive_int
-from .base import Sampler, _chunks, _inverse_cdf, register
+from .base import Sampler, row_chunks, inverse_cdf, register
 
 
 @register
@@ -76,7 +76,7 @@ class LSHSampler(Sampler):
         nonempty = sizes > 0
         has_any = nonempty.any(dim=1, keepdim=True)
         table_w = torch.where(has_any, nonempty.float(), torch.ones_like(nonempty, dtype=torch.float32))
-        tables = _inverse_cdf(table_w, m, gen)  # (T, M)
+        tables = inverse_cdf(table_w, m, gen)  # (T, M)
         size = sizes.gather(1, tables)
         start = self._offsets[tables, h.gather(1, tables)]
         u = gen.rand(t, m, dtype=torch.float64)
@@ -105,6 +105,6 @@ class LSHSampler(Sampler):
     def _log_prob(self, q, ids):
         h, sizes = self._query_tables(q)
         out = torch.empty(ids.shape, device=self.device)
-        for cols in _chunks(ids.shape[1], q.shape[0] * self.num_tables):
+        for cols in row_chunks(ids.shape[1], q.shape[0] * self.num_tables):
             out[:, cols] = self._log_q(h, sizes, ids[:, cols])
         return out

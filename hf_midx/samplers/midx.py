@@ -25,7 +25,7 @@ import torch
 
 from ..index import MidxIndex
 from ..rng import as_counter_rng
-from .base import Sampler, _chunks, _draw_from_cumsum, _inverse_cdf, check_counts, register, unigram_log_table
+from .base import Sampler, row_chunks, draw_from_cumsum, inverse_cdf, check_counts, register, unigram_log_table
 
 LAST_STAGES = ("uniform", "frequency")
 MIX_STATICS = ("unigram", "uniform")
@@ -202,16 +202,16 @@ class MidxSampler(Sampler):
         mass = self._bucket_mass
         out = torch.empty(e2.shape[0], m, dtype=torch.long, device=e2.device)
         if 2 * m <= k:
-            k1 = _inverse_cdf(p1, m, gen)
-            for rows in _chunks(e2.shape[0], m * k):
+            k1 = inverse_cdf(p1, m, gen)
+            for rows in row_chunks(e2.shape[0], m * k):
                 w2 = mass[k1[rows]] * e2[rows].unsqueeze(1)  # (c, M, K)
-                out[rows] = k1[rows] * k + _inverse_cdf(w2, 1, gen).squeeze(-1)
+                out[rows] = k1[rows] * k + inverse_cdf(w2, 1, gen).squeeze(-1)
             return out
         r = torch.where(psi > 0, p1 / psi, torch.zeros_like(psi)).float()
-        for rows in _chunks(e2.shape[0], k * k):
+        for rows in row_chunks(e2.shape[0], k * k):
             # (c, K, K) bucket probabilities, float32 (a bucket below e^-87 of the total is never drawn).
             joint = r[rows].unsqueeze(2) * self._bucket_mass_f32.unsqueeze(0) * e2[rows].float().unsqueeze(1)
-            out[rows] = _inverse_cdf(joint.view(-1, k * k), m, gen)
+            out[rows] = inverse_cdf(joint.view(-1, k * k), m, gen)
         return out
 
     def _draw_in_bucket(self, buckets: torch.Tensor, gen) -> torch.Tensor:
@@ -269,7 +269,7 @@ class MidxSampler(Sampler):
         ids = self._draw_in_bucket(self._draw_buckets(e2, p1, psi, m, gen), gen)
         if self._log_static is not None:
             # Each draw comes from the static component with probability a (both drawn, one kept: no sync).
-            static = _draw_from_cumsum(self._static_cum, m, gen, lead=(t,))
+            static = draw_from_cumsum(self._static_cum, m, gen, lead=(t,))
             pick = gen.rand(*ids.shape) < self.mix_weight
             ids = torch.where(pick, static, ids)
         return ids, self._mixed_log_q(self._midx_log_q(s1, s2, log_z, ids), ids)
@@ -284,7 +284,7 @@ class MidxSampler(Sampler):
         codes = self.index.codes[ids]
         extra = None if self._log_w is None else self._log_w[ids]
         out = torch.full((ids.shape[0],), -math.inf, device=self.device)
-        for rows in _chunks(s1.shape[0], ids.shape[0]):
+        for rows in row_chunks(s1.shape[0], ids.shape[0]):
             lp = s1[rows][:, codes[:, 0]] + s2[rows][:, codes[:, 1]] - log_z[rows].unsqueeze(1)
             if log_w is not None:
                 lp = lp + log_w[rows].unsqueeze(1)
@@ -359,7 +359,7 @@ class MidxExactSampler(MidxSampler):
 
     def _log_prob(self, q, ids):
         out = torch.empty(ids.shape, device=self.device)
-        for rows in _chunks(q.shape[0], self.num_candidates):
+        for rows in row_chunks(q.shape[0], self.num_candidates):
             logits = q[rows] @ self.embeddings.t()
             out[rows] = logits.gather(1, ids[rows]) - torch.logsumexp(logits, dim=1, keepdim=True)
         return out
@@ -379,7 +379,7 @@ class MidxExactSampler(MidxSampler):
         bucket_of_class = idx.codes[:, 0] * idx.codebook_size + idx.codes[:, 1]
         ids = torch.empty(q.shape[0], m, dtype=torch.long, device=self.device)
         log_q = torch.empty(q.shape[0], m, device=self.device)
-        for rows in _chunks(q.shape[0], 2 * self.num_candidates):
+        for rows in row_chunks(q.shape[0], 2 * self.num_candidates):
             zq = q[rows]
             s1, s2, _ = self.codeword_scores(zq)
             logits = zq @ self.embeddings.t()  # (c, V')
@@ -395,7 +395,7 @@ class MidxExactSampler(MidxSampler):
             log_omega = (b_max + b_sum.log().float()).view(-1, k2)  # -inf for empty buckets
             joint = (s1.unsqueeze(2) + s2.unsqueeze(1)).view(-1, k2) + log_omega
             log_p12 = torch.log_softmax(joint, dim=1)
-            buckets = _inverse_cdf(log_p12.double().exp(), m, gen)
+            buckets = inverse_cdf(log_p12.double().exp(), m, gen)
             # P3: inverse CDF inside the bucket's CSR slice of the per-query cumulative weights.
             cum = torch.cumsum(w.gather(1, idx.order.expand(zq.shape[0], -1)), dim=1)
             cum = torch.cat([torch.zeros(zq.shape[0], 1, dtype=cum.dtype, device=cum.device), cum], dim=1)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .base import Sampler, _draw_from_cumsum, check_counts, register, unigram_log_table
+from .base import Sampler, draw_from_cumsum, check_counts, register, unigram_log_table
 
 
 @register
@@ -45,7 +45,7 @@ class _TableSampler(Sampler):
         self._cum = self.log_table.double().exp().cumsum(0)
 
     def _sample(self, q, m, gen):
-        ids = _draw_from_cumsum(self._cum, m, gen, lead=(q.shape[0],))
+        ids = draw_from_cumsum(self._cum, m, gen, lead=(q.shape[0],))
         return ids, self.log_table[ids]
 
     def _log_prob(self, q, ids):
