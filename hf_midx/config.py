@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -222,6 +223,13 @@ class MidxConfig:
                 f"(e.g. MidxConfig({doubled[0]}=...))."
             )
         check_sampler_options(self.sampler, self.sampler_options)
+        for key, value in self.sampler_options.items():
+            # Saved in midx_config.json: plain, finite values only (a NumPy float32 fails at the first save).
+            if not isinstance(value, (bool, int, float, str)) or (isinstance(value, float) and not math.isfinite(value)):
+                raise ValueError(
+                    f"sampler_options[{key!r}] must be a finite number or a string, got {value!r} "
+                    f"({type(value).__name__}); pass a plain Python value, e.g. float(x)."
+                )
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}.")
         self._check_int("exact_head", 0)

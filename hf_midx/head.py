@@ -14,6 +14,7 @@ Shapes: B batch, S sequence, T = B*S tokens, D hidden dims, V classes, H exact-h
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 import warnings
@@ -25,6 +26,7 @@ from torch import nn
 from .config import MidxConfig
 from .loss import full_softmax_loss, sampled_softmax_loss
 from .samplers import Sampler, build_sampler
+from .samplers.base import check_counts
 from .step_data import StepData
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,15 @@ class MidxLMHead(nn.Module):
         self._hidden: torch.Tensor | None = None
         self.exact_ids: torch.Tensor | None = exact_head_ids(config, class_counts, self.num_classes)
         self.sampler: Sampler = self._build_sampler(self.weight)
+        # What is in use, for midx_config.json and the model card: without class counts there is no exact head,
+        # and a MIDX sampler mixes in no unigram and draws uniformly inside buckets (both warned).
+        effective = {"exact_head": 0} if self.exact_ids is None and config.exact_head else {}
+        for name in ("mix_weight", "last_stage"):
+            used = getattr(self.sampler, name, None)
+            if name in type(self.sampler).options and used is not None and used != getattr(config, name):
+                effective[name] = used
+        if effective:
+            self.config = dataclasses.replace(config, **effective)
         self._release_linear()  # last: a failed construction leaves the model's Linear as it was
 
     # ------------------------------------------------------------------ nn.Linear look-alike
@@ -340,9 +351,7 @@ def exact_head_ids(config: MidxConfig, class_counts, num_classes: int) -> torch.
             stacklevel=4,
         )
         return None
-    counts = torch.as_tensor(class_counts).double().flatten()
-    if counts.shape[0] != num_classes:
-        raise ValueError(f"class_counts must have shape ({num_classes},), got {tuple(counts.shape)}.")
+    counts = check_counts(class_counts, num_classes, "cpu")  # every sampler's head, not only those that read them
     # stable ranking: ties broken by class id, so every rank picks the same head.
     return torch.sort(torch.sort(-counts, stable=True).indices[:h]).values
 

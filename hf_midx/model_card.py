@@ -23,6 +23,7 @@ from typing import Any
 from ._io import atomic_write
 from .config import EXACT_HEAD_FRACTION, MidxConfig
 from .loss import drops_accidental_hits
+from .samplers import SAMPLERS
 from .version import __version__, versions
 
 
@@ -42,6 +43,8 @@ TEMPLATE_PATH = _template_path()
 DEFAULT_TAGS = ("hf-midx", "sampled-softmax", "midx")
 
 # Trainer metrics reported as training throughput, with their labels in the card.
+_QUANTIZERS = {"rq": "residual (rq)", "pq": "product (pq)"}
+
 _THROUGHPUT_KEYS = {
     "train_tokens_per_second": "Training throughput (tokens/s)",
     "train_samples_per_second": "Training throughput (samples/s)",
@@ -88,6 +91,8 @@ def midx_training_facts(
     """
     history = list(log_history)
     is_midx = config.sampler.startswith("midx")
+    own = SAMPLERS[config.sampler].options  # the fields this sampler reads (midx-exact: no mixture, no last stage)
+    quantizer = config.sampler_options.get("quantizer", "pq" if config.sampler == "midx-pq" else "rq")
     eval_entries = [e for e in history if "eval_loss" in e]
     last_eval = eval_entries[-1] if eval_entries else None
     eval_loss = None if last_eval is None else last_eval["eval_loss"]
@@ -95,7 +100,7 @@ def midx_training_facts(
     if last_eval is not None:
         eval_ppl = last_eval.get("eval_perplexity")
         if eval_ppl is None:
-            eval_ppl = math.exp(eval_loss) if eval_loss < 700 else math.inf
+            eval_ppl = math.inf if eval_loss >= 700 else math.exp(eval_loss)  # NaN stays NaN
     kls = [e["midx/kl"] for e in history if "midx/kl" in e]
     refresh_times = [e["midx/refresh_seconds"] for e in history if "midx/refresh_seconds" in e]
     final = next((e for e in reversed(history) if "train_runtime" in e), {})
@@ -110,7 +115,7 @@ def midx_training_facts(
     return {
         "sampler": config.sampler,
         "is_midx": is_midx,
-        "quantizer": "product (pq)" if config.sampler == "midx-pq" else "residual (rq)",
+        "quantizer": _QUANTIZERS[quantizer],
         "codebook_size": config.codebook_size,
         "buckets": config.codebook_size**2,
         "num_samples": config.num_samples,
@@ -127,10 +132,10 @@ def midx_training_facts(
         "exact_head": min(config.exact_head, num_classes // EXACT_HEAD_FRACTION) if num_classes else config.exact_head,
         "mixture_text": (
             f"{config.mix_weight:g} x {config.mix_static} + {1 - config.mix_weight:g} x MIDX"
-            if is_midx and config.mix_weight > 0
+            if "mix_weight" in own and config.mix_weight > 0
             else "none"
         ),
-        "last_stage": config.last_stage,
+        "last_stage": config.last_stage if "last_stage" in own else "exact (Theorem 1)" if is_midx else "-",
         "ess_last": _round(next((e["midx/ess"] for e in reversed(history) if "midx/ess" in e), None)),
         "kl_pq_last": _round(next((e["midx/kl_pq"] for e in reversed(history) if "midx/kl_pq" in e), None)),
         "codebooks": config.codebooks,

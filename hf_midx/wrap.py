@@ -356,7 +356,7 @@ def wrap(
     if verify:
         try:
             _verify(binding)
-        except ValueError:
+        except BaseException:  # a refusal, or anything else (out of memory, Ctrl-C): the model as it was
             unwrap(model)
             raise
     return model

@@ -8,6 +8,7 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -96,6 +97,11 @@ def test_every_registered_sampler_is_accepted(name):
         (dict(mix_weight="half"), "mix_weight must be a number"),
         (dict(mix_static="zipf"), "mix_static must be one of"),
         (dict(last_stage="softmax"), "last_stage must be one of"),
+        # Saved in midx_config.json: a NumPy float32 would fail at the first checkpoint, NaN later as a NaN loss.
+        (dict(sampler="unigram", sampler_options={"unigram_power": np.float32(0.75)}),
+         r"sampler_options\['unigram_power'\] must be a finite number or a string, got .*float32"),
+        (dict(sampler="unigram", sampler_options={"unigram_power": float("nan")}),
+         r"sampler_options\['unigram_power'\] must be a finite number"),
     ],
 )
 def test_invalid_values_raise_value_error(changes, message):
@@ -230,3 +236,16 @@ def test_model_card_shows_the_exact_head_in_use():
 
     assert midx_training_facts(MidxConfig(exact_head=999999), num_classes=1000)["exact_head"] == 125
     assert midx_training_facts(MidxConfig(exact_head=64), num_classes=1000)["exact_head"] == 64
+
+
+def test_model_card_shows_what_each_sampler_uses():
+    """midx-exact draws from the exact softmax: no mixture, no last stage, and its own quantizer option."""
+    from hf_midx.model_card import midx_training_facts
+
+    exact = midx_training_facts(MidxConfig(sampler="midx-exact", sampler_options={"quantizer": "pq"}))
+    assert (exact["mixture_text"], exact["quantizer"], exact["last_stage"]) == ("none", "product (pq)",
+                                                                                "exact (Theorem 1)")  # fmt: skip
+    default = midx_training_facts(MidxConfig())
+    assert (default["mixture_text"], default["quantizer"], default["last_stage"]) == (
+        "0.5 x unigram + 0.5 x MIDX", "residual (rq)", "uniform")
+    assert midx_training_facts(MidxConfig(), [{"eval_loss": float("nan")}])["eval_perplexity"] == "nan"  # not "inf"

@@ -74,6 +74,46 @@ def test_exact_head_without_counts_is_off_with_a_warning():
         MidxLMHead.wrap(model, MidxConfig(codebook_size=8, num_samples=16, exact_head=40, mix_weight=0.0))
     head = MidxLMHead.find(model)
     assert head.exact_ids is None and head.sampler.excluded is None
+    assert head.config.exact_head == 0  # what midx_config.json and the model card then say
+
+
+def test_without_counts_the_config_in_use_has_no_head_no_mixture_and_a_uniform_last_stage():
+    from hf_midx.model_card import midx_training_facts
+
+    model = tiny_model("gpt2")
+    with pytest.warns(UserWarning):
+        MidxLMHead.wrap(model, MidxConfig(codebook_size=8, num_samples=16, last_stage="frequency"))
+    config = MidxLMHead.find(model).config
+    assert (config.exact_head, config.mix_weight, config.last_stage) == (0, 0.0, "uniform")
+    facts = midx_training_facts(config, num_classes=VOCAB)
+    assert (facts["exact_head"], facts["mixture_text"], facts["last_stage"]) == (0, "none", "uniform")
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "sphere", "lsh", "midx-rq"])
+def test_counts_are_checked_for_the_exact_head_whatever_the_sampler(sampler):
+    for bad in (torch.full((VOCAB,), float("nan")), -torch.ones(VOCAB), torch.ones(VOCAB // 2, 2)):
+        model = tiny_model("gpt2")
+        with pytest.raises(ValueError, match="class_counts must"):
+            MidxLMHead.wrap(model, MidxConfig(sampler=sampler, codebook_size=8, exact_head=8), class_counts=bad)
+        assert MidxLMHead.find(model) is None
+
+
+def test_a_verification_that_fails_with_any_error_leaves_the_model_unwrapped(monkeypatch):
+    import importlib
+
+    wrap_module = importlib.import_module("hf_midx.wrap")
+
+    def out_of_memory(binding):
+        raise RuntimeError("CUDA out of memory")
+
+    model = tiny_model("gpt2")
+    with monkeypatch.context() as patch:
+        patch.setattr(wrap_module, "_verify", out_of_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            wrap_module.wrap(model, MidxConfig(codebook_size=8, num_samples=16))
+    assert MidxLMHead.find(model) is None and type(model.get_output_embeddings()) is torch.nn.Linear
+    wrap_module.wrap(model, MidxConfig(codebook_size=8, num_samples=16))  # not "already wrapped"
+    assert MidxLMHead.find(model) is not None
 
 
 def test_exact_head_is_at_most_an_eighth_of_the_vocabulary():
