@@ -225,7 +225,8 @@ class MidxConfig:
         check_sampler_options(self.sampler, self.sampler_options)
         for key, value in self.sampler_options.items():
             # Saved in midx_config.json: plain, finite values only (a NumPy float32 fails at the first save).
-            if not isinstance(value, (bool, int, float, str)) or (isinstance(value, float) and not math.isfinite(value)):
+            plain = isinstance(value, (bool, int, float, str))
+            if not plain or (isinstance(value, float) and not math.isfinite(value)):
                 raise ValueError(
                     f"sampler_options[{key!r}] must be a finite number or a string, got {value!r} "
                     f"({type(value).__name__}); pass a plain Python value, e.g. float(x)."
