@@ -122,6 +122,9 @@ def save_state(
     os.makedirs(folder, exist_ok=True)
     if write_shared:
         tensors = {f"sampler.{k}": _cpu_copy(v) for k, v in sampler_tensors(head).items()}
+        if head.exact_ids is not None:
+            # Which classes: the sampler's own ids index the others only.
+            tensors[_EXACT_IDS_KEY] = _cpu_copy(head.exact_ids)
         metadata = {
             "format": _FORMAT,
             "hf_midx_version": __version__,
@@ -148,6 +151,10 @@ def save_state(
         rng_file(folder, rank, world_size),
         {"format": _FORMAT, "rank": str(rank), "world_size": str(world_size)},
     )
+
+
+#: The exact head's (H,) class ids in the shared state file.
+_EXACT_IDS_KEY = "exact_ids"
 
 
 def has_state(folder: str) -> bool:
@@ -194,6 +201,13 @@ def read_state(folder: str, head: MidxLMHead, *, rank: int = 0, world_size: int 
                 f"{tuple(sampler_state[key].shape)} in the checkpoint but {tuple(have.shape)} in this model "
                 "(another vocabulary, hidden size or codebook size)."
             )
+    saved_head = tensors.get(_EXACT_IDS_KEY)  # absent from checkpoints of hf-midx before this check
+    if saved_head is not None and (head.exact_ids is None or not torch.equal(saved_head, head.exact_ids.cpu())):
+        raise ValueError(
+            f"Cannot resume from {folder!r}: its exact head is another set of {saved_head.numel()} classes than this "
+            "model's (class_counts of other data?). Resume with the class counts the run was wrapped with, or start "
+            "a new run without resume_from_checkpoint."
+        )
     learned = {k[len("codebooks.") :]: v for k, v in tensors.items() if k.startswith("codebooks.")}
     if head.config.codebooks == "learned" and set(learned) != {"codebook1", "codebook2"}:
         raise ValueError(f"Cannot resume from {folder!r}: it lacks the learned codebooks.")

@@ -275,6 +275,26 @@ def test_resume_from_mismatched_checkpoint_raises(tmp_path, change):
     assert not (tmp_path / "b").exists() or not any(p.name.startswith("checkpoint") for p in (tmp_path / "b").iterdir())
 
 
+def test_resume_with_another_exact_head_raises(tmp_path):
+    """The sampler's state indexes the classes outside the exact head: other counts, other head, other ids."""
+    counts = (1000.0 / (torch.arange(VOCAB).double() + 1.0)).floor()
+
+    def model_with(class_counts):
+        config = MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=10, exact_head=16, refresh_every_epoch=False)
+        return MidxLMHead.wrap(tiny_model("gpt2", vocab_size=VOCAB), config, class_counts=class_counts)
+
+    args = training_args(tmp_path / "a", max_steps=2, save_strategy="steps", save_steps=2)
+    MidxTrainer(model=model_with(counts), args=args, train_dataset=RowsDataset(markov_rows(32))).train()
+    checkpoint = str(tmp_path / "a" / "checkpoint-2")
+    train = RowsDataset(markov_rows(32))
+    other = MidxTrainer(model=model_with(counts.flip(0)), args=training_args(tmp_path / "b"), train_dataset=train)
+    with pytest.raises(ValueError, match="its exact head is another set of 16 classes"):
+        other.check_checkpoint(checkpoint)
+    MidxTrainer(model=model_with(counts), args=training_args(tmp_path / "c"), train_dataset=train).check_checkpoint(
+        checkpoint
+    )  # the run's own counts
+
+
 def test_resume_from_plain_checkpoint_raises(tmp_path):
     checkpoint = tmp_path / "plain"
     checkpoint.mkdir()
