@@ -9,6 +9,7 @@ module turns what a user has at hand (a tensor of ids, lists of ids, a ``dataset
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -83,29 +84,42 @@ def _id_chunks(data: Any, column: str) -> Iterable[torch.Tensor]:
             raise ValueError(f"the dataset has no {column!r} column (columns: {columns}); tokenize it first.")
         if names is not None and hasattr(data, "iter"):  # a datasets.Dataset: read in batches, no full copy
             for batch in data.with_format("numpy").iter(batch_size=_CHUNK_ROWS):
-                yield from _rows(batch[column])
+                yield from _rows(batch[column], column)
             return
         data = data[column]
-    yield from _rows(data)
+    yield from _rows(data, column)
 
 
-def _rows(rows: Any) -> Iterable[torch.Tensor]:
-    """Tensors of a sequence of id rows (a list of lists, a numpy object array, or a 2-D array)."""
+def _rows(rows: Any, column: str) -> Iterable[torch.Tensor]:
+    """Tensors of id rows (a list of lists, a numpy object array, a 2-D array, or any iterable of rows, such as a
+    streamed dataset's ``{column: ids}`` records), read lazily ``_CHUNK_ROWS`` rows at a time."""
     if isinstance(rows, torch.Tensor) or (type(rows).__module__.startswith("numpy") and rows.dtype != object):
         yield torch.as_tensor(rows)
         return
     try:
-        rows = list(rows)
+        it = iter(rows)
     except TypeError:
         raise ValueError(f"token_counts cannot read token ids from a {type(rows).__name__}.") from None
-    if rows and all(isinstance(r, int) and not isinstance(r, bool) for r in rows[:1]):
-        yield _tensor(rows)  # one flat list of ids
+    first = next(it, None)
+    if first is None:
         return
-    for start in range(0, len(rows), _CHUNK_ROWS):
-        # An empty row converts to a float tensor, which would turn the concatenation into floats.
-        chunk = [t.reshape(-1) for t in map(_tensor, rows[start : start + _CHUNK_ROWS]) if t.numel()]
-        if chunk:
+    if isinstance(first, int) and not isinstance(first, bool):
+        yield _tensor([first, *it])  # one flat list of ids
+        return
+    chunk: list[torch.Tensor] = []
+    for row in itertools.chain([first], it):
+        if isinstance(row, Mapping):  # a record of a streamed (iterable) dataset
+            if column not in row:
+                raise ValueError(f"the dataset has no {column!r} column (columns: {sorted(row)}); tokenize it first.")
+            row = row[column]
+        ids = _tensor(row).reshape(-1)
+        if ids.numel():  # an empty row converts to a float tensor, which would turn the concatenation into floats
+            chunk.append(ids)
+        if len(chunk) == _CHUNK_ROWS:
             yield torch.cat(chunk)
+            chunk = []
+    if chunk:
+        yield torch.cat(chunk)
 
 
 def _tensor(row: Any) -> torch.Tensor:

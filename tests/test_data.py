@@ -34,6 +34,28 @@ def test_counts_of_a_dataset_match_the_tensor_counts():
         token_counts(datasets.DatasetDict({"train": dataset}), 50)
 
 
+def test_counts_of_a_streamed_dataset_are_read_lazily():
+    """An iterable dataset of unknown features (no column_names) yields records: counted as they come."""
+    rows = [[int(i) for i in torch.randint(0, 50, (n,))] for n in torch.randint(1, 30, (2500,))]
+    expected = torch.bincount(torch.tensor([i for r in rows for i in r]), minlength=50)
+    read = []
+
+    def records(bad_at=None):
+        for i, row in enumerate(rows):
+            read.append(i)
+            yield {"input_ids": [-5] if i == bad_at else row, "text": "x"}
+
+    with pytest.raises(ValueError, match="token id -5"):
+        token_counts(records(bad_at=1500), 50)
+    assert len(read) == 2048  # stopped with the second chunk of 1,024 rows: the stream was not read whole first
+    assert torch.equal(token_counts(records(), 50), expected)
+    with pytest.raises(ValueError, match=r"no 'ids' column \(columns: \['input_ids', 'text'\]\)"):
+        token_counts(records(), 50, column="ids")
+    datasets = pytest.importorskip("datasets")
+    streamed = datasets.IterableDataset.from_generator(records)
+    assert torch.equal(token_counts(streamed, 50), expected)
+
+
 @pytest.mark.parametrize(
     "data, vocab_size, message",
     [
