@@ -48,7 +48,7 @@ def read_lines(path: str | os.PathLike, *, what: str = "data file") -> list[str]
     if os.path.isdir(path):
         raise DataError(f"{what} {path!r} is a directory; give a text file.")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is not part of a word
             text = f.read()
     except UnicodeDecodeError as err:
         raise DataError(f"{what} {path!r} is not UTF-8 text ({err.reason} at byte {err.start}).") from None

@@ -180,6 +180,8 @@ def test_read_lines_errors(tmp_path):
         read_lines(tmp_path / "bin.txt")
     (tmp_path / "ok.txt").write_text("a b\n \nc\n", encoding="utf-8")
     assert read_lines(tmp_path / "ok.txt") == ["a b", " ", "c"]
+    (tmp_path / "bom.txt").write_text("a b\n", encoding="utf-8-sig")  # as Windows editors save UTF-8
+    assert read_lines(tmp_path / "bom.txt") == ["a b"]
 
 
 # ---------------------------------------------------------------------- units: lm_recipe arguments
