@@ -928,6 +928,8 @@ def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path, monkeypat
     assert set(rows) == {"midx-rq", "unigram"} and rows["midx-rq"]["seeds"] == [3]
     optimum = runs["unigram"]["optimal_perplexity"]
     assert math.isclose(rows["unigram"]["mean"], runs["unigram"]["test_perplexity"] / optimum, rel_tol=1e-12)
+    split_oracle = runs["unigram"]["synthetic"]["oracle_test_perplexity"]
+    assert math.isclose(rows["unigram"]["test_vs_split_oracle"][0], runs["unigram"]["test_perplexity"] / split_oracle)
     expected = 100 * (runs["midx-rq"]["test_perplexity"] / runs["unigram"]["test_perplexity"] - 1)
     assert math.isclose(rows["midx-rq"]["vs_unigram_pct"][0], expected, rel_tol=1e-9)
     assert [len(r["evals"]) for r in payload["runs"]] == [2, 2]  # steps 3 and 6
@@ -988,6 +990,10 @@ def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path, monkeypat
     assert math.isclose(unigram["ratio"], held["runs"][1]["perplexity"] / held["oracle_perplexity"], rel_tol=1e-9)
     (row,) = held["summary"]["vs unigram"]
     assert row["seeds"] == [3] and row["pct"] == [vs["pct"]] and row["sd"] is None
+    # Per token of each band: the band's contribution over its share of the tokens.
+    shares = held["settings"]["label_share"]
+    per_band = row["bands_nats_per_band_token"]
+    assert math.isclose(sum(p * s for p, s in zip(per_band, shares)), sum(row["bands_nats"]), abs_tol=1e-12)
     assert held["summary"]["vs full"] == [] and (tmp_path / "report" / "synthetic_heldout.md").is_file()
     # Scored in two calls and merged, the runs give the joint call's figures; other tokens are refused.
     outs = []

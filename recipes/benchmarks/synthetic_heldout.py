@@ -12,7 +12,8 @@ split uses) and scores every run's saved model on them with the exact softmax:
   from the blocks (blocks are independent runs of the chain: their mean NLLs are i.i.d.), then the mean and
   standard deviation of the per-seed differences;
 * where each difference lies: its split by the next word's frequency band (ranks [0, H), [H, 10H), [10H, V)),
-  in nats per token, summing to the whole difference.
+  in nats per token of the whole sample, summing to the whole difference; and, in brackets, per token of that
+  band (the contribution over the band's share of the tokens): what a word of the band gains or loses.
 
 The JSON keeps each run's per-block scores, so ``--merge`` tables outputs of separate calls on the same tokens
 (same chain, ``--tokens``, ``--seed`` and ``--exact_head``) together without scoring again.
@@ -212,6 +213,10 @@ def main(argv=None) -> dict:
             if base is not None:
                 r["vs"][base_label] = paired(r, base, length)
     summary = {"vs unigram": summarize(runs, unigram_of), "vs full": summarize(runs, lambda label: "full")}
+    for row in summary["vs unigram"] + summary["vs full"]:
+        # A band's contribution over the band's own share of the tokens: the difference per word of that band.
+        shares = settings["label_share"]
+        row["bands_nats_per_band_token"] = [c / s if s else None for c, s in zip(row["bands_nats"], shares)]
 
     edges = settings["bands"]
     bands = [f"[{lo:,}, {hi:,})" for lo, hi in zip(edges, edges[1:])]
@@ -222,10 +227,15 @@ def main(argv=None) -> dict:
                ("perplexity", lambda r: f"{r['perplexity']:.2f}"), ("/ chain's", lambda r: f"{r['ratio']:.4f}"),
                ("vs unigram, same seed (95%)", vs_unigram), ("vs full, same seed (95%)", vs_full)]  # fmt: skip
     mean_sd = lambda r: f"{r['mean']:+.2f}%" + ("" if r["sd"] is None else f" ± {r['sd']:.2f}")  # noqa: E731
+
+    def band_cell(r, i):
+        per_band = r["bands_nats_per_band_token"][i]
+        return f"{r['bands_nats'][i]:+.4f}" + ("" if per_band is None else f" ({per_band:+.4f})")
+
     summary_columns = [("configuration", "config"), ("against", "baseline"),
                        ("seeds", lambda r: ", ".join(map(str, r["seeds"]))),
                        ("per seed", lambda r: ", ".join(f"{x:+.2f}%" for x in r["pct"])), ("mean ± sd", mean_sd),
-                       *[(f"nats/token, next word in {b}", lambda r, i=i: f"{r['bands_nats'][i]:+.4f}")
+                       *[(f"next word in {b}: nats per token (per token of the band)", lambda r, i=i: band_cell(r, i))
                          for i, b in enumerate(bands)]]  # fmt: skip
     pairs = summary["vs unigram"] + summary["vs full"]
     no_pairs = ("No run has its unigram or full-softmax partner of the same seed here: score the partners together, "
