@@ -42,9 +42,9 @@ TEMPLATE_PATH = _template_path()
 #: Tags every MIDX card carries (the sampler's name is added to them).
 DEFAULT_TAGS = ("hf-midx", "sampled-softmax", "midx")
 
-# Trainer metrics reported as training throughput, with their labels in the card.
 _QUANTIZERS = {"rq": "residual (rq)", "pq": "product (pq)"}
 
+# Trainer metrics reported as training throughput, with their labels in the card.
 _THROUGHPUT_KEYS = {
     "train_tokens_per_second": "Training throughput (tokens/s)",
     "train_samples_per_second": "Training throughput (samples/s)",

@@ -103,6 +103,10 @@ def _load(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         return {key: f.get_tensor(key) for key in f.keys()}, dict(f.metadata() or {})
 
 
+#: The exact head's (H,) class ids in the shared state file.
+_EXACT_IDS_KEY = "exact_ids"
+
+
 def save_state(
     folder: str,
     head: MidxLMHead,
@@ -151,10 +155,6 @@ def save_state(
         rng_file(folder, rank, world_size),
         {"format": _FORMAT, "rank": str(rank), "world_size": str(world_size)},
     )
-
-
-#: The exact head's (H,) class ids in the shared state file.
-_EXACT_IDS_KEY = "exact_ids"
 
 
 def has_state(folder: str) -> bool:
