@@ -257,7 +257,7 @@ def test_gpu_summary_tables_the_default_at_fewer_negatives(tmp_path):
 
 def test_gpu_large_vocab_script_tables_its_runs(tmp_path):
     """gpu_large_vocab.sh at DEVICE=cpu: tiny runs of the three configurations, as parallel processes, and
-    synthetic_curves' table of them, with unigram as the paired reference and the full softmax beside it."""
+    `recipe_runs.py curves`' table of them, with unigram as the paired reference and the full softmax beside it."""
     env = offline_env(DEVICE="cpu", SEEDS="1", RESULTS=str(tmp_path / "out"), OMP_NUM_THREADS="1",
                       PYTHON=sys.executable)  # fmt: skip
     proc = subprocess.run(["bash", str(BENCH / "gpu_large_vocab.sh")], capture_output=True, text=True, env=env,
@@ -295,181 +295,14 @@ def test_compare_samplers_parallel_runs_and_variants(tmp_path):
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
 
 
-def test_bench_refresh(tmp_path):
-    p = run_bench("bench_refresh", tmp_path, "--vocab", "5000", "--backends", "torch")
-    got = {(r["backend"], r["variant"]) for r in p["results"]}
-    assert got == {("torch", "subsample"), ("torch", "all-rows")}
-    for r in p["results"]:
-        assert r["warm_rebuild_s"] > 0 and r["distortion"] > 0 and r["kl_pq@1.0"] >= 0
-    assert (tmp_path / "bench_refresh.md").read_text().count("| torch |") == 2
+def test_recipe_runs_takes_one_question_per_call(tmp_path):
+    """recipe_runs.py: a subcommand is required; heldout scores run folders or merges earlier outputs, one of the two;
+    curves refuses a folder that is not a finished run (the tables of real runs: test_recipes.py, gpu_large_vocab)."""
+    from recipes.benchmarks import recipe_runs
 
-
-def test_synthetic_gradient_exact_reference_and_estimates():
-    """The yardstick of synthetic_gradient.py: the full softmax's gradients and data noise, and the bias and
-    noise read from R draws (a statistical check on draws of known bias and spread)."""
-    import math
-
-    import torch
-
-    from recipes.benchmarks import synthetic_gradient as sg
-
-    gen = torch.Generator().manual_seed(0)
-    s, v, d = 6, 11, 4
-    z, w = torch.randn(s, d, generator=gen), torch.randn(v, d, generator=gen)
-    y = torch.randint(v, (s,), generator=gen)
-    exact = sg.exact_gradients(z, w, y)
-    zr, wr = z.double().requires_grad_(True), w.double().requires_grad_(True)
-    torch.nn.functional.cross_entropy(zr @ wr.t(), y, reduction="sum").backward()
-    torch.testing.assert_close(exact["g_w"], wr.grad)
-    torch.testing.assert_close(exact["g_z"], zr.grad)
-    # Data noise: the spread of the batch gradient from the S per-context gradients, computed by brute force.
-    per = []
-    for t in range(s):
-        wt = w.double().clone().requires_grad_(True)
-        torch.nn.functional.cross_entropy(z[t : t + 1].double() @ wt.t(), y[t : t + 1]).backward()
-        per.append(wt.grad.flatten())
-    per = torch.stack(per)
-    spread = s * (per - per.mean(0)).pow(2).sum(1).mean()
-    assert math.isclose(exact["data_noise"], spread.sqrt().item(), rel_tol=1e-9)
-
-    # Draws of known bias b and per-draw spread sigma^2 (summed over coordinates): the estimates recover both.
-    g = exact["g_w"]
-    bias = 0.3 * g.norm() * torch.nn.functional.normalize(torch.randn(g.shape, generator=gen, dtype=torch.float64), dim=None)
-    sigma = 0.5 * g.norm().item()
-    repeats, trials = 8, 40
-    got_bias, got_noise = [], []
-    for _ in range(trials):
-        draws = g + bias + sigma / math.sqrt(g.numel()) * torch.randn((repeats, *g.shape), generator=gen, dtype=torch.float64)
-        mean = draws.mean(0)
-        var = (draws.pow(2).sum((1, 2)).mean() - mean.pow(2).sum()).item() * repeats / (repeats - 1)
-        sampled = {"mean_w": mean, "var_w": var, "mean_z": exact["g_z"], "var_z": torch.zeros(s, dtype=torch.float64)}
-        out = sg.compare(exact, sampled, repeats)
-        got_bias.append(out["bias_w"])
-        got_noise.append(out["noise_w"])
-        assert out["bias_z"] == 0 and out["noise_z"] == 0
-    # Means over 40 trials: the noise within 2% of 0.5, the bias within 5% of 0.3 (about 3 sd each; without the
-    # variance correction the bias would read 0.35 and the noise 0.47).
-    assert abs(sum(got_noise) / trials - 0.5) < 0.01, sum(got_noise) / trials
-    assert abs(sum(got_bias) / trials - 0.3) < 0.015, sum(got_bias) / trials
-
-
-def test_synthetic_convergence(tmp_path):
-    """Every configuration learns from the same start (paired seeds), and the table's differences are its runs'."""
-    configs = ["full", "unigram H0", "midx-rq H0", "midx-rq"]
-    p = run_bench("synthetic_convergence", tmp_path, "--seeds", "2", "--configs", *configs)
-    assert_pngs(tmp_path, "synthetic_convergence.png")
-    runs = {(r["config"], r["seed"]): r for r in p["runs"]}
-    assert set(runs) == {(c, s) for c in configs for s in (0, 1)}
-    for r in runs.values():
-        curve = r["curve"]
-        assert curve[0]["step"] == 0 and curve[-1]["step"] == p["settings"]["steps"]
-        assert curve[-1]["ratio"] < 0.8 * curve[0]["ratio"], (r["config"], curve[0], curve[-1])  # it learned
-    for seed in (0, 1):  # same initial weights for every configuration of a seed; another seed, others
-        assert len({runs[(c, seed)]["curve"][0]["ratio"] for c in configs}) == 1
-    assert runs[("full", 0)]["curve"][0]["ratio"] != runs[("full", 1)]["curve"][0]["ratio"]
-    rows = {row["config"]: row for row in p["summary"]}
-    expected = [100 * (runs[("midx-rq H0", s)]["ratio"] / runs[("unigram H0", s)]["ratio"] - 1) for s in (0, 1)]
-    assert rows["midx-rq H0"]["vs_unigram_pct"] == pytest.approx(expected, rel=1e-12)
-    assert "vs_unigram_pct" not in rows["midx-rq"]  # no unigram with the exact head was trained
-    to_full = 100 * (runs[("midx-rq", 0)]["ratio"] / runs[("full", 0)]["ratio"] - 1)
-    assert rows["midx-rq"]["vs_full_pct"][0] == pytest.approx(to_full)
-    # The chain's own perplexity on the held-out pairs is near its entropy rate (a sample of 1,024 pairs).
-    assert 0.85 < p["oracle_test_perplexity"] / p["optimum"] < 1.15
-
-    # Seeds run in separate processes and merged give the table of the single process.
-    for seed in (0, 1):
-        run_bench("synthetic_convergence", tmp_path / f"s{seed}", "--seed", str(seed), "--configs", *configs[1:3])
-    files = [str(tmp_path / f"s{seed}" / "synthetic_convergence.json") for seed in (1, 0)]
-    merged = run_bench("synthetic_convergence", tmp_path / "merged", "--merge", *files)
-    assert_pngs(tmp_path / "merged", "synthetic_convergence.png")
-    assert [(r["config"], r["seed"]) for r in merged["runs"]] == [(c, s) for s in (0, 1) for c in configs[1:3]]
-    for r in merged["runs"]:  # the same training (the seconds are timings: not compared)
-        ref = runs[(r["config"], r["seed"])]["curve"]
-        assert [(q["step"], q["ratio"]) for q in r["curve"]] == [(q["step"], q["ratio"]) for q in ref]
-    merged_rows = {row["config"]: row for row in merged["summary"]}
-    assert merged_rows["midx-rq H0"]["vs_unigram_pct"] == pytest.approx(expected, rel=1e-12)
-    assert [s["seeds"] for s in merged["settings"]["merged_from"]] == [[1], [0]]
-    assert merged["optimum"] == p["optimum"] and merged["oracle_test_perplexity"] == p["oracle_test_perplexity"]
-    # --configs keeps those configurations only (here the full softmax of the first run).
-    files = [str(tmp_path / "synthetic_convergence.json"), *files]
-    only = run_bench("synthetic_convergence", tmp_path / "only", "--merge", *files, "--configs", "full", "midx-rq")
-    assert [(r["config"], r["seed"]) for r in only["runs"]] == [(c, s) for s in (0, 1) for c in ("full", "midx-rq")]
-    assert [s["seeds"] for s in only["settings"]["merged_from"]] == [[0, 1], [], []]
-
-
-def test_synthetic_convergence_bias_folded_into_the_head(tmp_path):
-    """--bias folded is the same model trained by the same steps, with the bias inside the proposal's index:
-    the full softmax and unigram (which never look at the index) train exactly as with --bias separate, MIDX
-    differs once the proposal is rebuilt from a learned bias, and MIDX runs of both settings do not share a
-    table (the others do)."""
-    configs = ["full", "unigram H0", "midx-rq H0"]
-    out = {b: run_bench("synthetic_convergence", tmp_path / b, "--bias", b, "--refresh_every", "10", "--configs",
-                        *configs) for b in ("folded", "separate")}  # fmt: skip
-    assert out["folded"]["settings"]["bias"] == "folded" and out["separate"]["settings"]["bias"] == "separate"
-    curves = {b: {r["config"]: [q["ratio"] for q in r["curve"]] for r in p["runs"]} for b, p in out.items()}
-    for name in ("full", "unigram H0"):
-        assert curves["folded"][name] == pytest.approx(curves["separate"][name], rel=1e-6)
-    assert curves["folded"]["midx-rq H0"][0] == curves["separate"]["midx-rq H0"][0]  # the same start
-    assert curves["folded"]["midx-rq H0"][-1] != curves["separate"]["midx-rq H0"][-1]
-    # --tied: E is W's first D columns, so the start differs; tied and untied runs do not share a table.
-    tied = run_bench("synthetic_convergence", tmp_path / "tied", "--tied", "--refresh_every", "10", "--configs", "full")
-    assert tied["settings"]["tied"] is True and out["folded"]["settings"]["tied"] is False
-    curve = [q["ratio"] for q in tied["runs"][0]["curve"]]
-    assert curve[-1] < 0.8 * curve[0] and curve[0] != curves["folded"]["full"][0]
-    script = [sys.executable, str(BENCH / "synthetic_convergence.py"), "--smoke", "--out", str(tmp_path / "m")]
-    files = [str(tmp_path / b / "synthetic_convergence.json") for b in ("folded", "separate")]
-    proc = subprocess.run([*script, "--merge", *files, "--configs", "midx-rq H0"], capture_output=True, text=True,
-                          env=offline_env(), timeout=120)  # fmt: skip
-    assert proc.returncode != 0 and "bias = separate where" in proc.stderr, proc.stderr
-    proc = subprocess.run([*script, "--merge", files[0], str(tmp_path / "tied" / "synthetic_convergence.json")],
-                          capture_output=True, text=True, env=offline_env(), timeout=120)  # fmt: skip
-    assert proc.returncode != 0 and "tied = True where" in proc.stderr, proc.stderr
-    assert not (tmp_path / "m").exists()
-
-
-def test_synthetic_convergence_refuses_impossible_sizes(tmp_path):
-    script = [sys.executable, str(BENCH / "synthetic_convergence.py"), "--smoke", "--out", str(tmp_path)]
-    proc = subprocess.run([*script, "--num_samples", "400"], capture_output=True, text=True, env=offline_env(),
-                          timeout=120)  # fmt: skip
-    assert proc.returncode == 2 and "--num_samples 400 must be below half of --vocab_size 500" in proc.stderr
-    assert not (tmp_path / "synthetic_convergence.json").exists()
-
-
-def test_synthetic_convergence_merge_refuses_mismatched_runs(tmp_path):
-    """--merge refuses a run tabled twice and runs of other settings, naming the file and the setting."""
-    script = [sys.executable, str(BENCH / "synthetic_convergence.py"), "--smoke", "--out", str(tmp_path / "out")]
-    env = {"device": "cpu", "device_type": "cpu", "hf_midx": "0", "torch": "0", "transformers": "0", "faiss": None,
-           "liger_kernel": None, "python": "3", "git": {"commit": "abc", "dirty": False}, "timestamp": "now"}
-    payload = {"benchmark": "synthetic_convergence", "environment": env,
-               "settings": {"vocab_size": 500, "dim": 16, "steps": 40, "batch": 256, "lr": 0.01, "num_samples": 20,
-                            "codebook_size": 32, "refresh_every": 100, "eval_pairs": 1024, "eval_every": 2},
-               "runs": [{"config": "unigram H0", "seed": 0, "ratio": 1.5, "seconds": 1.0,
-                         "curve": [{"step": 0, "seconds": 0.0, "ratio": 9.0},
-                                   {"step": 40, "seconds": 1.0, "ratio": 1.5}]}]}  # fmt: skip
-    a, b, c = (tmp_path / f"{x}.json" for x in "abc")
-    a.write_text(json.dumps(payload))
-    b.write_text(json.dumps({**payload, "settings": {**payload["settings"], "steps": 80}}))
-    c.write_text("{not json")
-    # A file written before --bias existed kept the bias out of the index: its MIDX runs do not share a folded
-    # table, its unigram runs do (they never read the index).
-    old = tmp_path / "old.json"
-    old.write_text(json.dumps({**payload, "runs": [{**payload["runs"][0], "config": "midx-rq H0", "seed": 1}]}))
-    folded = tmp_path / "folded.json"
-    folded.write_text(json.dumps({**payload, "settings": {**payload["settings"], "bias": "folded"},
-                                  "runs": [{**payload["runs"][0], "config": "midx-rq H0"}]}))  # fmt: skip
-    out = tmp_path / "merged"
-    proc = subprocess.run([*script[:-1], str(out), "--merge", str(a), str(folded)], capture_output=True, text=True,
-                          env={**offline_env(), "MPLBACKEND": "Agg"}, timeout=120)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    merged = json.loads((out / "synthetic_convergence.json").read_text())
-    assert merged["settings"]["bias"] == "folded"
-    assert [(r["config"], r["seed"]) for r in merged["runs"]] == [("unigram H0", 0), ("midx-rq H0", 0)]
-    d = tmp_path / "d.json"  # a run entry without its curve
-    d.write_text(json.dumps({**payload, "runs": [{"config": "unigram H0", "seed": 0, "ratio": 1.5}]}))
-    for files, message in (([a, a], "unigram H0 seed 0 is in both"), ([a, b], "steps = 80 where"),
-                           ([c], "not a synthetic_convergence.json output"), ([d], "a run without"),
-                           ([old, folded], "bias = folded where")):  # fmt: skip
-        proc = subprocess.run([*script, "--merge", *map(str, files)], capture_output=True, text=True,
-                              env=offline_env(), timeout=120)  # fmt: skip
-        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
-    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit):
+        recipe_runs.main([])
+    with pytest.raises(SystemExit, match="not both or neither"):
+        recipe_runs.main(["heldout", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="not a finished large_vocab or wikitext2 run"):
+        recipe_runs.main(["curves", str(tmp_path), "--out", str(tmp_path / "out")])

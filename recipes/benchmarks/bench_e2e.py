@@ -1,38 +1,36 @@
 """End-to-end training throughput (tokens/s) of the recipe's model: full softmax vs MIDX.
 
-One optimizer step = ``model(input_ids, labels=input_ids)``, ``loss.backward()``, ``AdamW.step()``,
-on the model ``recipes/lm_recipe.build_model`` makes (GPT-2 architecture), for these heads:
+One optimizer step = ``model(input_ids, labels=input_ids)``, ``loss.backward()``, ``AdamW.step()``, on the model
+``recipes/lm_recipe.build_model`` makes (GPT-2 architecture), for these heads:
 
 * ``hf-full``: the unwrapped model: full logits + transformers' ``ForCausalLMLoss`` (the baseline);
-* ``exact-chunked``: the head wrapped by ``hf_midx.MidxLMHead`` inside ``exact_loss_only()``: the exact
-  loss through torch's chunked ``linear_cross_entropy``;
+* ``exact-chunked``: the head wrapped by ``hf_midx.wrap`` inside ``exact_loss_only()``: the exact loss through torch's
+  chunked ``linear_cross_entropy``;
 * ``midx-rq``: ``MidxLMHead`` with midx-rq, M negatives per token (per-query, the paper);
 * ``midx-rq-shared``: the same with one shared pool of P negatives per batch;
 * ``uniform``: ``MidxLMHead`` with the uniform proposal (the cheapest sampler: a floor);
-* ``midx-default``: ``MidxLMHead`` with ``MidxConfig()`` as it is (every default but the seed);
-  ``midx-default-m<M>`` (``--default_extra_m``): the same with M negatives per token;
-* ``cce`` / ``liger``: the exact loss of Cut Cross-Entropy's ``linear_cross_entropy`` / Liger-Kernel's
-  fused linear cross-entropy on the backbone's hidden states (GPU only, when installed): what
-  large-vocabulary trainers use today.
+* ``midx-default``: ``MidxLMHead`` with ``MidxConfig()`` as it is (every default but the seed); ``midx-default-m<M>``
+  (``--default_extra_m``): the same with M negatives per token;
+* ``cce`` / ``liger``: the exact loss of Cut Cross-Entropy's ``linear_cross_entropy`` / Liger-Kernel's fused linear
+  cross-entropy on the backbone's hidden states (GPU only, when installed): what large-vocabulary trainers use today.
 
 Settings (``--settings``):
 
-* ``recipe``: the paper's WikiText-2 model (2 layers, 4 heads, d 200, ff 1024), V = 33,278, blocks of
-  51 tokens, batch 32; M = 20, K = 32 (the recipe's defaults);
-* ``head-dominated`` (CPU default): 2 layers, d 256, ff 1024, V = 131,072, blocks of 128, batch 16,
-  K = 64: a CPU-sized stand-in where the output layer dominates as it does in a large-vocabulary LM;
-* ``gpt2-small-128k`` (GPU default): 12 layers, 12 heads, d 768, V = 131,072, blocks of 1024, batch 8,
-  bf16 autocast, K = 64;
-* ``gemma3-270m`` (GPU): a Gemma-3-270M-sized model from its config (``gemma3_text``: 18 layers,
-  d 640, 4 heads of 256, 1 KV head, ff 2048, tied embeddings, V = 262,144), sequences of 2,048,
-  batch 4, bf16 weights: head-dominated at a real shape;
-* ``qwen2.5-0.5b`` (GPU): a Qwen2.5-0.5B-sized model from its config (``qwen2``: 24 layers, d 896,
-  14 heads, 2 KV heads, ff 4864, tied embeddings, V = 151,936), sequences of 2,048, batch 4, bf16.
+* ``recipe``: the paper's WikiText-2 model (2 layers, 4 heads, d 200, ff 1024), V = 33,278, blocks of 51 tokens, batch
+  32; M = 20, K = 32 (the recipe's defaults);
+* ``head-dominated`` (CPU default): 2 layers, d 256, ff 1024, V = 131,072, blocks of 128, batch 16, K = 64: a
+  CPU-sized stand-in where the output layer dominates as it does in a large-vocabulary LM;
+* ``gpt2-small-128k`` (GPU default): 12 layers, 12 heads, d 768, V = 131,072, blocks of 1024, batch 8, bf16 autocast,
+  K = 64;
+* ``gemma3-270m`` (GPU): a Gemma-3-270M-sized model from its config (``gemma3_text``: 18 layers, d 640, 4 heads of
+  256, 1 KV head, ff 2048, tied embeddings, V = 262,144), sequences of 2,048, batch 4, bf16 weights: head-dominated at
+  a real shape;
+* ``qwen2.5-0.5b`` (GPU): a Qwen2.5-0.5B-sized model from its config (``qwen2``: 24 layers, d 896, 14 heads, 2 KV
+  heads, ff 4864, tied embeddings, V = 151,936), sequences of 2,048, batch 4, bf16.
 
-Tokens are i.i.d. Zipf(1) ids (throughput does not depend on the text). Tokens/s counts input tokens
-(batch x block length), as the recipe's ``tokens_per_second`` does. The sampler's build (k-means)
-happens once before timing and is reported on its own, with one ``refresh`` (warm-started k-means),
-which the trainer runs once per epoch by default.
+Tokens are i.i.d. Zipf(1) ids (throughput does not depend on the text). Tokens/s counts input tokens (batch x block
+length), as the recipe's ``tokens_per_second`` does. The sampler's build (k-means) happens once before timing and is
+reported on its own, with one ``refresh`` (warm-started k-means), which the trainer runs once per epoch by default.
 
 Run: ``python recipes/benchmarks/bench_e2e.py --out bench-out [--quick] [--device cpu|cuda]``.
 """
@@ -44,6 +42,8 @@ import time
 import types
 
 import torch
+
+import hf_midx
 
 if __package__:
     from . import common
@@ -108,9 +108,7 @@ def make_model(setting: dict, vocab: int, block: int, seed: int, device: torch.d
     return lm_recipe.build_model(model_args, data, block - 1).to(device)
 
 
-def run_setting(key: str, args, device, env, bf16: bool, warmup: int, steps: int) -> list[dict]:
-    from hf_midx import MidxConfig, MidxLMHead  # noqa: PLC0415
-
+def run_setting(key: str, args, device, bf16: bool, warmup: int, steps: int) -> list[dict]:
     s = dict(SETTINGS[key])
     if args.smoke:
         s.update({"vocab": 2048, "batch": 2, "block": 17})
@@ -126,86 +124,74 @@ def run_setting(key: str, args, device, env, bf16: bool, warmup: int, steps: int
     out = []
     for case in args.cases:
         if case in kernels and kernels[case] is None:
-            print(f"{case:16s} skipped: needs a GPU and the package ({'cut-cross-entropy' if case == 'cce' else 'liger-kernel'})")
+            print(f"{case:24s} skipped: needs a GPU and the package ({'cut-cross-entropy' if case == 'cce' else 'liger-kernel'})")
             continue
         model = make_model(s, v, block, args.seed, device)
         model.train()
         rec = {"setting": key, "case": case, "V": v, "batch": batch, "block": block, "d": model.config.hidden_size,
                "layers": model.config.num_hidden_layers, "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
-        exact = contextlib.nullcontext
-        loss_of = None  # a case that computes its loss from the backbone's hidden states
+        exact, loss_of = contextlib.nullcontext, None  # loss_of: a loss from the backbone's hidden states
         if case in kernels:
             loss_of = _kernel_loss(kernels[case], model, getattr(model.config, "final_logit_softcapping", None))
         elif case != "hf-full":
-            shared = case == "midx-rq-shared"
-            sampler = "uniform" if case == "uniform" else "midx-rq"
-            # midx-default(-m<M>): MidxConfig() as it is (but M); the others: the setting's M and K, the benchmark's P.
-            default = case.startswith("midx-default")
-            config = MidxConfig(seed=args.seed, log_kl=False) if default else MidxConfig(
-                sampler=sampler, num_samples=args.pool_size if shared else s["num_samples"], seed=args.seed,
-                negatives="shared" if shared else "per-query", codebook_size=s["codebook_size"], log_kl=False)  # fmt: skip
-            if case.startswith("midx-default-m"):
-                config = config.replace(num_samples=int(case.removeprefix("midx-default-m")))
-            t0 = time.perf_counter()
-            MidxLMHead.wrap(model, config, class_counts=counts, verify=False)
-            common.sync(device)
-            rec["build_s"] = time.perf_counter() - t0
-            rec.update({"sampler": config.sampler, "num_samples": config.num_samples, "negatives": config.negatives})
-            if not default:
-                head = MidxLMHead.find(model)
-                if sampler.startswith("midx"):
-                    t0 = time.perf_counter()
-                    head.refresh()
-                    common.sync(device)
-                    rec["refresh_s"] = time.perf_counter() - t0
-                if case == "exact-chunked":
-                    exact = head.exact_loss_only
-                rec["codebook_size"] = config.codebook_size
+            exact = _wrap(case, model, rec, s, counts, args, device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         it = iter(range(1 << 30))
 
         def step():
             x = batches[next(it) % len(batches)]
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), exact():
-                if loss_of is not None:
-                    loss = loss_of(x)
-                else:
-                    loss = model(input_ids=x, attention_mask=torch.ones_like(x), labels=x).loss
+                loss = loss_of(x) if loss_of else model(input_ids=x, attention_mask=torch.ones_like(x), labels=x).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        try:
-            stats = common.time_op(step, device, warmup=warmup, repeats=steps, budget_s=args.budget_s)
-            common.free_memory(device)
-            mem = common.peak_memory(step, device)
-        except Exception as err:  # noqa: BLE001 (out of memory, a kernel's own error): recorded, the next case runs
-            rec["skipped"] = f"error: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
-            print(f"{case:16s} skipped: {rec['skipped']}")
-            out.append(rec)
-            model = opt = None
-            common.free_memory(device)
-            continue
-        rec.update({"step_ms": stats["p50"], "step_ms_p20": stats["p20"], "step_ms_p80": stats["p80"], "repeats": stats["n"],
-                    "tokens_per_s": batch * block / (stats["p50"] / 1e3), "peak_bytes": mem["peak_bytes"],
-                    "memory_method": mem["method"]})  # fmt: skip
-        print(f"{case:16s} {common.fmt_ms(stats['p50']):>9s}/step  {rec['tokens_per_s']:>9.0f} tokens/s  "
-              f"peak {common.fmt_bytes(mem['peak_bytes'])}"
-              + (f"  (build {rec['build_s']:.1f} s, refresh {rec.get('refresh_s', 0):.1f} s)" if "build_s" in rec else ""))  # fmt: skip
+        rec.update(common.measure(case, step, device, warmup=warmup, repeats=steps, budget_s=args.budget_s))
+        if "ms" in rec:
+            rec.update(step_ms=rec.pop("ms"), step_ms_p20=rec.pop("ms_p20"), step_ms_p80=rec.pop("ms_p80"))
+            rec["tokens_per_s"] = batch * block / (rec["step_ms"] / 1e3)
+            print(f"{'':24s} {rec['tokens_per_s']:>9.0f} tokens/s" + (f"  (build {rec['build_s']:.1f} s, refresh "
+                  f"{rec.get('refresh_s', 0):.1f} s)" if "build_s" in rec else ""))  # fmt: skip
         out.append(rec)
         model = opt = None
         common.free_memory(device)
     base = next((r for r in out if r["case"] == "hf-full" and "tokens_per_s" in r), None)
     exact = [r for r in out if r["case"] in EXACT_CASES and "tokens_per_s" in r]
     best = max(exact, key=lambda r: r["tokens_per_s"]) if exact else None
-    for r in out:
-        if base and "tokens_per_s" in r:
+    for r in (r for r in out if "tokens_per_s" in r):
+        if base:
             r["speedup_vs_hf"] = r["tokens_per_s"] / base["tokens_per_s"]
             r["memory_ratio_vs_hf"] = base["peak_bytes"] / max(r["peak_bytes"], 1)
-        if best and "tokens_per_s" in r:
-            r["best_exact"] = best["case"]
-            r["speedup_vs_best_exact"] = r["tokens_per_s"] / best["tokens_per_s"]
+        if best:
+            r["best_exact"], r["speedup_vs_best_exact"] = best["case"], r["tokens_per_s"] / best["tokens_per_s"]
     return out
+
+
+def _wrap(case: str, model, rec: dict, s: dict, counts, args, device):
+    """Wrap ``model`` with the case's MIDX head (``hf_midx.wrap``); returns the context its steps run in."""
+    shared, default = case == "midx-rq-shared", case.startswith("midx-default")
+    sampler = "uniform" if case == "uniform" else "midx-rq"
+    # midx-default(-m<M>): MidxConfig() as it is (but M); the others: the setting's M and K, the benchmark's P.
+    config = hf_midx.MidxConfig(seed=args.seed, log_kl=False) if default else hf_midx.MidxConfig(
+        sampler=sampler, num_samples=args.pool_size if shared else s["num_samples"], seed=args.seed,
+        negatives="shared" if shared else "per-query", codebook_size=s["codebook_size"], log_kl=False)  # fmt: skip
+    if case.startswith("midx-default-m"):
+        config = config.replace(num_samples=int(case.removeprefix("midx-default-m")))
+    t0 = time.perf_counter()
+    hf_midx.wrap(model, config, class_counts=counts, verify=False)
+    common.sync(device)
+    rec.update(build_s=time.perf_counter() - t0, sampler=config.sampler, num_samples=config.num_samples,
+               negatives=config.negatives)  # fmt: skip
+    if default:
+        return contextlib.nullcontext
+    head = model.get_output_embeddings()  # the MidxLMHead
+    rec["codebook_size"] = config.codebook_size
+    if sampler.startswith("midx"):
+        t0 = time.perf_counter()
+        head.refresh()
+        common.sync(device)
+        rec["refresh_s"] = time.perf_counter() - t0
+    return head.exact_loss_only if case == "exact-chunked" else contextlib.nullcontext
 
 
 def _kernel_loss(kernel, model, softcap):
@@ -239,13 +225,12 @@ def main(argv=None) -> dict:
     env, settings = common.start(
         NAME, args, device, settings={k: SETTINGS[k] for k in keys}, cases=args.cases, steps=steps, warmup=warmup,
         pool_size=args.pool_size, bf16=bf16, optimizer="AdamW lr 1e-4", timed="forward + backward + optimizer step",
-        tokens="input tokens per second (batch x block)", **(note if note["quick_note"] else {}),
-    )  # fmt: skip
+        tokens="input tokens per second (batch x block)", **(note if note["quick_note"] else {}))  # fmt: skip
     results = []
     for key in keys:
-        results += run_setting(key, args, device, env, bf16, warmup, steps)
-    rows = [common.row(env, op="train_step", provider=r["case"], metric="tokens_per_s", unit="tokens/s", x_name="setting",
-                       x_value=r["setting"], value=r["tokens_per_s"], V=r["V"]) for r in results if "tokens_per_s" in r]  # fmt: skip
+        results += run_setting(key, args, device, bf16, warmup, steps)
+    rows = common.rows(env, results, op="train_step", provider="case", x_name="setting", x="setting", extra=("V",),
+                       metrics={"tokens_per_s": ("tokens_per_s", "tokens/s"), "peak_bytes": ("peak_memory", "bytes")})
     md = render_markdown(env, settings, results)
     return common.finish(args, NAME, env, settings, md, lambda: plot(args.out, results), rows=rows, results=results)
 
@@ -265,8 +250,7 @@ def render_markdown(env, settings, results):
             ("memory vs hf-full", lambda r: common.fmt_ratio(r.get("memory_ratio_vs_hf"))),
             ("vs best exact", lambda r: common.fmt_ratio(r.get("speedup_vs_best_exact"), 2)),
             ("sampler build", lambda r: f"{r['build_s']:.1f} s" if "build_s" in r else "-"),
-            ("one refresh", lambda r: f"{r['refresh_s']:.1f} s" if "refresh_s" in r else "-"),
-        ]) + "\n")  # fmt: skip
+            ("one refresh", lambda r: f"{r['refresh_s']:.1f} s" if "refresh_s" in r else "-")]) + "\n")  # fmt: skip
     return common.report("End-to-end training throughput", env, settings, *parts)
 
 

@@ -1,35 +1,32 @@
 """Output layer + loss, forward and backward: the HF way vs exact chunked CE vs MIDX sampled softmax.
 
-For T tokens with D-dim hidden states and a V-class head, one training step of the head is timed
-(forward + backward; the sampler's own drawing included, the index build not) and weighed (peak
-bytes the step allocates). Cases, all on the same inputs:
+For T tokens with D-dim hidden states and a V-class head, one training step of the head is timed (forward + backward;
+the sampler's own drawing included, the index build not) and weighed (peak bytes the step allocates). Cases, all on
+the same inputs:
 
-* ``hf``: what a transformers ``*ForCausalLM`` does: full (T, V) logits, upcast to float32,
-  ``F.cross_entropy``;
+* ``hf``: what a transformers ``*ForCausalLM`` does: full (T, V) logits, upcast to float32, ``F.cross_entropy``;
 * ``torch-chunked``: exact CE without the (T, V) logits, ``hf_midx.full_softmax_loss`` (torch's
   ``F.linear_cross_entropy`` with the chunking hf_midx chooses);
-* ``torch-chunked-512`` (CPU only): torch's op called directly with 512-token chunks and
-  ``acc_policy="accurate"``, a yardstick for that choice (torch's own "auto" chunking picked 8-token
-  chunks for float32 on CPU in torch 2.13, 20x slower than ``hf``);
+* ``torch-chunked-512`` (CPU only): torch's op called directly with 512-token chunks and ``acc_policy="accurate"``, a
+  yardstick for that choice (torch's own "auto" chunking picked 8-token chunks for float32 on CPU in torch 2.13, 20x
+  slower than ``hf``);
 * ``liger``: Liger-Kernel's fused linear CE (only on a GPU with ``liger_kernel`` installed);
-* ``cce``: Cut Cross-Entropy's ``linear_cross_entropy`` (only on a GPU with ``cut_cross_entropy``
-  installed);
-* ``midx-default/per-query`` and ``/shared``: the head as ``MidxConfig()`` configures it (sampler,
-  M, K, estimator and every other default), per-query and with a shared pool of P;
-  ``.../compiled``: the same step under ``torch.compile`` (``--compile``);
-  ``midx-default-m<M>/per-query``: the same head with M negatives per token instead of the default's
+* ``cce``: Cut Cross-Entropy's ``linear_cross_entropy`` (only on a GPU with ``cut_cross_entropy`` installed);
+* ``midx-default/per-query`` and ``/shared``: the head as ``MidxConfig()`` configures it (sampler, M, K, estimator and
+  every other default), per-query and with a shared pool of P; ``.../compiled``: the same step under ``torch.compile``
+  (``--compile``); ``midx-default-m<M>/per-query``: the same head with M negatives per token instead of the default's
   (``--default_extra_m``; M = 5 is where the adaptive proposal beats unigram on the synthetic corpus);
-* ``<sampler>/per-query``: ``hf_midx.sampled_softmax_loss`` with M negatives per token (M=20, the
-  paper's setting), for midx-rq, midx-pq, uniform and unigram;
+* ``<sampler>/per-query``: ``hf_midx.sampled_softmax_loss`` with M negatives per token (M=20, the paper's setting),
+  for midx-rq, midx-pq, uniform and unigram;
 * ``<sampler>/shared``: the same with one pool of P negatives shared by the batch (P=1024).
 
-Each case is reported as a speed-up and a memory ratio against the HF way measured in the same run,
-next to the FLOP ratio (M + 2K) / V (P + 2K for shared; M or P alone for static samplers), the
-ideal for a sampled head. The index build is timed separately.
+Each case is reported as a speed-up and a memory ratio against the HF way measured in the same run, next to the FLOP
+ratio (M + 2K) / V (P + 2K for shared; M or P alone for static samplers), the ideal for a sampled head. The index
+build is timed separately.
 
-Run: ``python recipes/benchmarks/bench_head.py --out bench-out [--quick] [--device cpu|cuda]``.
-At the head shapes of real models (bf16, T = 8192 on a GPU):
-``python recipes/benchmarks/bench_head.py --out bench-out --models llama3-8b gemma2-2b qwen2.5-0.5b gemma3-270m``.
+Run: ``python recipes/benchmarks/bench_head.py --out bench-out [--quick] [--device cpu|cuda]``. At the head shapes of
+real models (bf16, T = 8192 on a GPU): ``python recipes/benchmarks/bench_head.py --out bench-out --models llama3-8b
+gemma2-2b qwen2.5-0.5b gemma3-270m``.
 """
 
 from __future__ import annotations
@@ -51,17 +48,14 @@ SAMPLED = ("midx-rq", "midx-pq", "uniform", "unigram")
 #: Cases that compute the exact loss.
 EXACT_CASES = ("hf", "torch-chunked", "torch-chunked-512", "liger", "cce")
 TARGETS = (  # (V, minimum speed-up vs hf, minimum memory ratio vs hf or None)
-    (131072, 10.0, None),
-    (524288, 30.0, 10.0),
-)
+    (131072, 10.0, None), (524288, 30.0, 10.0))
 
 
 def parse_args(argv=None):
     p = common.base_parser(
         __doc__.splitlines()[0], vocab=(None, "default 32768 131072 524288 1048576; quick 8192 32768"), num_samples=20,
         pool_size=1024, codebook_size=64, kmeans_iters=20, budget_s=(None, "default 60; quick 5"),
-        samplers=list(SAMPLED), default_extra_m=[],
-    )  # fmt: skip
+        samplers=list(SAMPLED), default_extra_m=[])  # fmt: skip
     p.add_argument("--tokens", type=int, default=None, help="T (default 2048; quick 512)")
     p.add_argument("--dims", type=int, nargs="+", default=None, help="D values (default 256; 256 1024 on a GPU)")
     p.add_argument("--models", nargs="+", default=None, choices=list(common.MODEL_SHAPES),
@@ -114,10 +108,14 @@ def main(argv=None) -> dict:
         timed="forward + backward of head and loss (sampling included, index build excluded)",
         memory="peak bytes the step allocates (CPU: torch.profiler memory events; GPU: max_memory_allocated)",
     )  # fmt: skip
-    rows, builds, results = [], [], []
+    builds, results = [], []
     for v, d in shapes:
-        results += run_size(args, device, dtype, env, t, d, v, warmup, repeats, kernels, rows, builds)
+        results += run_size(args, device, dtype, t, d, v, warmup, repeats, kernels, builds)
         common.free_memory(device)
+    rows = common.rows(env, results, op="head_fwd_bwd", provider="case", x_name="V", x="V", extra=("D", "T"),
+                       metrics={"ms": ("time", "ms"), "peak_bytes": ("peak_memory", "bytes")})
+    rows += common.rows(env, builds, op="index_build", provider="sampler", x_name="V", x="V", extra=("D", "K"),
+                        metrics={"build_s": ("time", "s")})  # fmt: skip
     targets = check_targets(results)
     md = render_markdown(env, settings, results, builds, targets)
     return common.finish(args, NAME, env, settings, md, lambda: plot(args.out, results), rows=rows, results=results,
@@ -125,12 +123,10 @@ def main(argv=None) -> dict:
 
 
 def _default_head_cases(args, hidden, weight, labels, counts, device):
-    """Cases of the head as ``MidxConfig()`` configures it: a ``MidxLMHead`` over this weight, its
-    ``loss_from_hidden`` (sampler, estimator, exact head and every other default but the seed)."""
-    from torch import nn  # noqa: PLC0415
-
+    """Cases of the head as ``MidxConfig()`` configures it: a ``MidxLMHead`` over this weight and its loss
+    (sampler, estimator, exact head and every other default but the seed); and the head's build time."""
     def make_head(config):
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         linear.weight = weight  # the benchmark's own Parameter: gradients land where the other cases' do
         return hf_midx.MidxLMHead(linear, config, class_counts=counts)
 
@@ -145,14 +141,10 @@ def _default_head_cases(args, hidden, weight, labels, counts, device):
         same = mode == config.negatives and n == config.num_samples
         head_n = head if same else make_head(config.replace(negatives=mode, num_samples=n))
         name = "midx-default" if (mode, n) not in extra else f"midx-default-m{n}"
-
-        def fn(head_n=head_n):
-            return head_n.loss_from_hidden(hidden, None, shift_labels=labels)
-
-        def draw(head_n=head_n, n=n, mode=mode):
-            q = hidden.detach().float()
-            return head_n.sampler.draw(q, n) if mode == "per-query" else head_n.sampler.draw_shared(q, n)
-
+        fn = lambda head_n=head_n: common.head_loss(head_n, hidden, labels)  # noqa: E731
+        q = hidden.detach().float()
+        draw = (lambda s=head_n.sampler, n=n: s.draw(q, n)) if mode == "per-query" else \
+            (lambda s=head_n.sampler, n=n: s.draw_shared(q, n))  # fmt: skip
         what = f"MidxConfig() defaults ({config.sampler}), {mode}, {'M' if mode == 'per-query' else 'P'}={n}"
         # FLOPs against the full head: the candidates, the codeword scores, the exact head.
         exact = 0 if head_n.exact_ids is None else head_n.exact_ids.numel()
@@ -165,32 +157,15 @@ def _default_head_cases(args, hidden, weight, labels, counts, device):
     return cases, build_s
 
 
-def run_size(args, device, dtype, env, t, d, v, warmup, repeats, kernels, rows, builds):
-    m, pool, k = args.num_samples, args.pool_size, args.codebook_size
+def run_size(args, device, dtype, t, d, v, warmup, repeats, kernels, builds):
+    """Every case at one (V, D): its result record (time, memory, ratios, or why it was skipped)."""
     gen = torch.Generator().manual_seed(args.seed)
     counts = common.zipf_counts(v, generator=gen)
     labels = common.zipf_labels(counts, t, gen).to(device)
     weight = torch.nn.Parameter((torch.randn(v, d, generator=gen) * d**-0.5).to(device=device, dtype=dtype))
     hidden = torch.randn(t, d, generator=gen).to(device=device, dtype=dtype).requires_grad_()
-    elt = torch.finfo(dtype).bits // 8
     budget = common.memory_budget_bytes(device, args.max_mem_gb)
     print(f"\n-- T={t} D={d} V={v} ({dtype}) --")
-
-    samplers = {}
-    for name in args.samplers:
-        midx = name.startswith("midx")
-        opts = {"kmeans_iters": args.kmeans_iters, "kmeans_backend": args.kmeans_backend} if midx else {}
-        t0 = time.perf_counter()
-        samplers[name] = hf_midx.build_sampler(name, weight.detach(), codebook_size=k, class_counts=counts,
-                                               seed=args.seed, **opts)  # fmt: skip
-        common.sync(device)
-        secs = time.perf_counter() - t0
-        if midx:
-            builds.append({"V": v, "D": d, "sampler": name, "build_s": secs, "K": k, **opts})
-            rows.append(common.row(env, op="index_build", provider=name, metric="time", unit="s", x_name="V", x_value=v,
-                                   value=secs, D=d, K=k))  # fmt: skip
-            print(f"build {name:8s}: {secs:.2f} s")
-
     cases = [("hf", "full logits + F.cross_entropy", 0, lambda: F.cross_entropy(F.linear(hidden, weight).float(), labels)),
              ("torch-chunked", "hf_midx.full_softmax_loss (F.linear_cross_entropy)", 0,
               lambda: hf_midx.full_softmax_loss(hidden, weight, labels))]  # fmt: skip
@@ -205,83 +180,57 @@ def run_size(args, device, dtype, env, t, d, v, warmup, repeats, kernels, rows, 
     if kernels["cce"] is not None:
         cce = kernels["cce"]
         cases.append(("cce", "cut_cross_entropy.linear_cross_entropy", 0, lambda: cce(hidden, weight, labels)))
-    default_cases, default_build_s = _default_head_cases(args, hidden, weight, labels, counts, device)
-    print(f"build midx-default: {default_build_s:.2f} s")
-    builds.append({"V": v, "D": d, "sampler": "midx-default", "build_s": default_build_s, "K": None,
-                   "kmeans_iters": None, "kmeans_backend": None})  # fmt: skip
+    default_cases, build_s = _default_head_cases(args, hidden, weight, labels, counts, device)
+    builds.append({"V": v, "D": d, "sampler": "midx-default", "build_s": build_s, "K": None})
+    print(f"build midx-default : {build_s:.2f} s")
     cases += default_cases
-    for name, smp in samplers.items():
-        extra = 2 * k if name.startswith("midx") else 0
-        for mode, n in (("per-query", m), ("shared", pool)):
-
-            def fn(smp=smp, n=n, mode=mode):
-                return hf_midx.sampled_softmax_loss(hidden, weight, labels, smp, n, negatives=mode)
-
-            def draw(smp=smp, n=n, mode=mode):
-                return smp.sample(hidden, n) if mode == "per-query" else smp.sample_shared(hidden, n)
-
+    k = args.codebook_size
+    for name in args.samplers:
+        midx = name.startswith("midx")
+        opts = {"kmeans_iters": args.kmeans_iters, "kmeans_backend": args.kmeans_backend} if midx else {}
+        t0 = time.perf_counter()
+        smp = hf_midx.build_sampler(name, weight.detach(), codebook_size=k, class_counts=counts, seed=args.seed, **opts)
+        common.sync(device)
+        if midx:
+            builds.append({"V": v, "D": d, "sampler": name, "build_s": time.perf_counter() - t0, "K": k, **opts})
+            print(f"build {name:12s}: {builds[-1]['build_s']:.2f} s")
+        for mode, n in (("per-query", args.num_samples), ("shared", args.pool_size)):
+            fn = lambda smp=smp, n=n, mode=mode: hf_midx.sampled_softmax_loss(hidden, weight, labels, smp, n, negatives=mode)  # noqa: E731
+            draw = (lambda smp=smp, n=n: smp.sample(hidden, n)) if mode == "per-query" else \
+                (lambda smp=smp, n=n: smp.sample_shared(hidden, n))  # fmt: skip
             what = f"sampled_softmax_loss {name}, {mode}, {'M' if mode == 'per-query' else 'P'}={n}"
-            cases.append((f"{name}/{mode}", what, (n + extra) / v, fn, draw))
+            cases.append((f"{name}/{mode}", what, (n + (2 * k if midx else 0)) / v, fn, draw))
+
+    def clear():
+        hidden.grad = weight.grad = None
 
     out = []
     for label, what, flop_ratio, fn, *draw in cases:
         if label in args.skip_cases:
             continue
         rec = {"V": v, "D": d, "T": t, "case": label, "what": what, "flop_ratio": flop_ratio or None}
-        est = estimate_bytes(label, t, v, d, elt)
+        est = estimate_bytes(label, t, v, d, torch.finfo(dtype).bits // 8)
         if est > budget:
             rec["skipped"] = f"memory (needs ~{common.fmt_bytes(est)}, budget {common.fmt_bytes(budget)})"
-            print(f"{label:22s} skipped: memory (~{common.fmt_bytes(est)} > {common.fmt_bytes(budget)})")
-            out.append(rec)
-            continue
-
-        def step(fn=fn):
-            hidden.grad = None
-            weight.grad = None
-            fn().backward()
-
-        try:
-            stats = common.time_op(step, device, warmup=warmup, repeats=repeats, budget_s=args.budget_s)
-            hidden.grad = weight.grad = None
-            common.free_memory(device)
-            mem = common.peak_memory(lambda fn=fn: fn().backward(), device)
-            hidden.grad = weight.grad = None
-        except Exception as err:  # noqa: BLE001 (an out-of-memory the estimate missed, a kernel's own error): recorded
-            hidden.grad = weight.grad = None
-            common.free_memory(device)
-            rec["skipped"] = f"error: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]}"
-            print(f"{label:22s} skipped: {rec['skipped']}")
-            out.append(rec)
-            continue
-        rec.update({"ms": stats["p50"], "warm": stats.get("warm", True), "ms_p20": stats["p20"], "ms_p80": stats["p80"],
-                    "repeats": stats["n"], "peak_bytes": mem["peak_bytes"], "memory_method": mem["method"]})  # fmt: skip
-        if draw:
+            print(f"{label:24s} skipped: {rec['skipped']}")
+        else:
+            rec.update(common.measure(label, lambda fn=fn: (clear(), fn().backward()), device, warmup=warmup,
+                                      repeats=repeats, budget_s=args.budget_s, reset=clear))  # fmt: skip
+        if draw and "ms" in rec:
             rec["sampling_ms"] = common.time_op(draw[0], device, warmup=1, repeats=repeats)["p50"]
-        where = dict(op="head_fwd_bwd", provider=label, x_name="V", x_value=v, D=d, T=t)
-        rows.append(common.row(env, metric="time", unit="ms", stats=stats, **where))
-        rows.append(common.row(env, metric="peak_memory", unit="bytes", value=mem["peak_bytes"], method=mem["method"], **where))
-        print(f"{label:22s} {common.fmt_ms(stats['p50']):>10s}  peak {common.fmt_bytes(mem['peak_bytes']):>10s}"
-              + (f"  (sampling {common.fmt_ms(rec['sampling_ms'])})" if "sampling_ms" in rec else ""))  # fmt: skip
         out.append(rec)
-        common.free_memory(device)
-
     ref = {c: next((r for r in out if r["case"] == c and "ms" in r), None) for c in ("hf", "torch-chunked")}
-    for r in out:
-        if "ms" not in r:
-            continue
+    exact = [r for r in out if r["case"] in EXACT_CASES and "ms" in r]
+    best = min(exact, key=lambda r: r["ms"]) if exact else None  # the yardstick users compare with
+    cce_row = next((r for r in exact if r["case"] == "cce"), None)
+    for r in (r for r in out if "ms" in r):
         for key, base in (("hf", ref["hf"]), ("chunked", ref["torch-chunked"])):
             r[f"speedup_vs_{key}"] = base["ms"] / r["ms"] if base else None
             r[f"memory_ratio_vs_{key}"] = base["peak_bytes"] / max(r["peak_bytes"], 1) if base else None
         r["ideal_speedup"] = 1.0 / r["flop_ratio"] if r.get("flop_ratio") else None
-    # The yardstick users compare with: the fastest exact loss of this run, and CCE's memory.
-    exact = [r for r in out if r["case"] in EXACT_CASES and "ms" in r]
-    best = min(exact, key=lambda r: r["ms"]) if exact else None
-    cce_row = next((r for r in exact if r["case"] == "cce"), None)
-    for r in out:
-        if "ms" in r and best is not None:
-            r["fastest_exact"] = best["case"]
-            r["speedup_vs_fastest_exact"] = best["ms"] / r["ms"]
-        if "ms" in r and cce_row is not None:
+        if best is not None:
+            r["fastest_exact"], r["speedup_vs_fastest_exact"] = best["case"], best["ms"] / r["ms"]
+        if cce_row is not None:
             r["extra_bytes_vs_cce"] = r["peak_bytes"] - cce_row["peak_bytes"]
     return out
 
@@ -313,8 +262,7 @@ def render_markdown(env, settings, results, builds, targets):
     for d in sorted({r["D"] for r in results}):
         parts.append(f"## D = {d}\n")
         parts.append(common.markdown_table([x for x in results if x["D"] == d], [
-            ("V", "V"), ("case", "case"),
-            ("time (p50)", lambda r: f"skipped: {r['skipped']}" if "skipped" in r
+            ("V", "V"), ("case", "case"), ("time (p50)", lambda r: f"skipped: {r['skipped']}" if "skipped" in r
              else common.fmt_ms(r["ms"]) + ("" if r.get("warm", True) else " *")),
             ("of which sampling", skipped_or(lambda r: common.fmt_ms(r.get("sampling_ms")))),
             ("peak memory", skipped_or(lambda r: common.fmt_bytes(r["peak_bytes"]))),
@@ -322,8 +270,7 @@ def render_markdown(env, settings, results, builds, targets):
             ("memory vs HF", skipped_or(lambda r: common.fmt_ratio(r.get("memory_ratio_vs_hf")))),
             ("speed-up vs chunked", skipped_or(lambda r: common.fmt_ratio(r.get("speedup_vs_chunked")))),
             ("vs fastest exact", skipped_or(lambda r: common.fmt_ratio(r.get("speedup_vs_fastest_exact")))),
-            ("ideal (FLOPs)", skipped_or(lambda r: common.fmt_ratio(r.get("ideal_speedup"), 0))),
-        ]))  # fmt: skip
+            ("ideal (FLOPs)", skipped_or(lambda r: common.fmt_ratio(r.get("ideal_speedup"), 0)))]))  # fmt: skip
         if any(not r.get("warm", True) for r in results if r["D"] == d and "ms" in r):
             parts.append("\n\\* a single call: the first one already took longer than --budget_s.")
         parts.append("")
@@ -334,9 +281,8 @@ def render_markdown(env, settings, results, builds, targets):
             ("backend", "kmeans_backend"), ("build time", lambda b: f"{b['build_s']:.2f} s")]) + "\n")  # fmt: skip
     parts.append("## Targets (D = 256)\n")
     parts.append(common.markdown_table(targets, [
-        ("V", "V"), ("case", "case"),
-        ("target", lambda c: f">= {c['min_speedup']:.0f}x faster"
-         + (f", >= {c['min_memory_ratio']:.0f}x less memory" if c["min_memory_ratio"] else "")),
+        ("V", "V"), ("case", "case"), ("target", lambda c: f">= {c['min_speedup']:.0f}x faster"
+                                       + (f", >= {c['min_memory_ratio']:.0f}x less memory" if c["min_memory_ratio"] else "")),
         ("speed-up", lambda c: common.fmt_ratio(c.get("speedup"))),
         ("memory ratio", lambda c: common.fmt_ratio(c.get("memory_ratio"))), ("status", "status")]))  # fmt: skip
     return common.report("Output layer + loss, forward + backward", env, settings, *parts)

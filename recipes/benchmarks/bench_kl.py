@@ -2,35 +2,34 @@
 
 On two sets of class embeddings and queries --
 
-* **trained**: a language model's head weight (V, D) and the final hidden states of held-out text,
-  from (in this order of preference) ``--model_dir`` (a model saved by ``recipes/wikitext2.py``),
-  a model the recipe trains here for ``--train_steps`` steps on ``--data_dir`` (``--source train``),
-  or structured synthetic embeddings (``--source synthetic``: clustered, Zipf-frequency classes and
-  queries near their label's cluster). The report says which was used;
-* **random**: the same V and D at initialization: weights N(0, 0.02^2) (GPT-2's initializer_range)
-  and N(0, 1) queries (a LayerNorm output), where every softmax is nearly uniform --
+* **trained**: a language model's head weight (V, D) and the final hidden states of held-out text, from (in this order
+  of preference) ``--model_dir`` (a model saved by ``recipes/wikitext2.py``), a model the recipe trains here for
+  ``--train_steps`` steps on ``--data_dir`` (``--source train``), or structured synthetic embeddings (``--source
+  synthetic``: clustered, Zipf-frequency classes and queries near their label's cluster). The report says which was
+  used;
+* **random**: the same V and D at initialization: weights N(0, 0.02^2) (GPT-2's initializer_range) and N(0, 1) queries
+  (a LayerNorm output), where every softmax is nearly uniform --
 
 every sampler of ``hf_midx.SAMPLERS`` is measured by
 
-* the coverage diagnostics of ``hf_midx.diagnostics.proposal_diagnostics`` (mean over S queries):
-  KL(Q || P), KL(P || Q), the effective sample size of the importance weights as a fraction of M
-  (analytic, 1 / E_Q[(p/q)^2], and measured on M draws) and P's mass on classes with p/q > 10 (with
-  an exact head, P is the softmax over the tail and the head's mass is reported);
-* the gradient bias of the sampled-softmax loss (M = 20 negatives per token): the relative distance
-  ||mean_R grad_sampled - grad_full|| / ||grad_full|| over R independent draws, for the gradient
-  w.r.t. the hidden states and w.r.t. the head weight, with the Monte-Carlo noise of that mean
-  (``se``) and the bias with the noise removed (``debiased``: sqrt(max(0, d^2 - se^2)));
+* the coverage diagnostics of ``hf_midx.diagnostics.proposal_diagnostics`` (mean over S queries): KL(Q || P), KL(P ||
+  Q), the effective sample size of the importance weights as a fraction of M (analytic, 1 / E_Q[(p/q)^2], and measured
+  on M draws) and P's mass on classes with p/q > 10 (with an exact head, P is the softmax over the tail and the head's
+  mass is reported);
+* the gradient bias of the sampled-softmax loss (M = 20 negatives per token): the relative distance ||mean_R
+  grad_sampled - grad_full|| / ||grad_full|| over R independent draws, for the gradient w.r.t. the hidden states and
+  w.r.t. the head weight, with the Monte-Carlo noise of that mean (``se``) and the bias with the noise removed
+  (``debiased``: sqrt(max(0, d^2 - se^2)));
 
-for the MIDX samplers at K in {8, 16, 32, 64, 128} and for the variants of issue 9 that are a proposal
-alone (``common.VARIANTS``: defensive mixtures, the frequency last stage, an exact head) at ``--plot_k``; k-means codebooks against
-``hf_midx.LearnableCodebooks`` trained for ``--learn_steps`` steps (the paper: KL 1.56 -> 1.29 for
-rq); and plots the cumulative sampling distributions (mean over queries) against the softmax, classes
-ordered by training frequency and by softmax probability, like the paper's figures.
+for the MIDX samplers at K in {8, 16, 32, 64, 128} and for the variants of issue 9 that are a proposal alone
+(``common.VARIANTS``: defensive mixtures, the frequency last stage, an exact head) at ``--plot_k``; k-means codebooks
+against ``hf_midx.LearnableCodebooks`` trained for ``--learn_steps`` steps (the paper: KL 1.56 -> 1.29 for rq); and
+plots the cumulative sampling distributions (mean over queries) against the softmax, classes ordered by training
+frequency and by softmax probability, like the paper's figures.
 
-With ``--ppl_json FILE`` (a JSON object: sampler or variant name -> exact test perplexity of a training
-run with it, e.g. from compare_samplers), it also reports how well each diagnostic predicts that
-perplexity (Spearman rank correlation over the samplers measured on the trained source) and plots
-each diagnostic against it.
+With ``--ppl_json FILE`` (a JSON object: sampler or variant name -> exact test perplexity of a training run with it,
+e.g. from compare_samplers), it also reports how well each diagnostic predicts that perplexity (Spearman rank
+correlation over the samplers measured on the trained source) and plots each diagnostic against it.
 
 Run: ``python recipes/benchmarks/bench_kl.py --out bench-out [--quick] [--model_dir runs/wikitext2]``.
 """
@@ -176,18 +175,6 @@ def train_model(args, out_dir: Path, files: dict) -> str:
 
 
 # ---------------------------------------------------------------------------- measurements
-def build(name: str, weight, counts, k: int, seed: int, rq=None):
-    if name in common.VARIANTS:
-        return common.build_variant(name, weight, counts, codebook_size=k, seed=seed)
-    if name == "midx-exact" and rq is not None:
-        smp = hf_midx.build_sampler(name, weight, codebook_size=k, seed=seed, kmeans_iters=0)
-        state = rq.state_dict()
-        state["embeddings"] = weight
-        smp.load_state_dict(state)
-        return smp
-    return hf_midx.build_sampler(name, weight, codebook_size=k, class_counts=counts, seed=seed)
-
-
 def measure(smp, src: dict, s_idx, g_idx, full_grads, args) -> tuple[dict, torch.Tensor]:
     weight, queries, labels = src["weight"], src["queries"], src["labels"]
     q = queries[s_idx]
@@ -264,8 +251,8 @@ def run_source(label: str, src: dict, args, samplers, ks) -> dict:
     for name in samplers:
         for k in ks if name in MIDX else [args.plot_k if name in common.VARIANTS else None]:
             t0 = time.perf_counter()
-            rq = build("midx-rq", weight, src["counts"], k, args.seed) if name == "midx-exact" else None
-            smp = build(name, weight, src["counts"], k or 64, args.seed, rq=rq)
+            rq = {"midx-rq": common.build_sampler("midx-rq", weight, src["counts"], k, args.seed)} if name == "midx-exact" else None
+            smp = common.build_sampler(name, weight, src["counts"], k or 64, args.seed, rq)
             rec, mq = measure(smp, src, s_idx, g_idx, full, args)
             rec.update({"source": label, "sampler": name, "K": k, "codebooks": "kmeans" if k else None,
                         "seconds": time.perf_counter() - t0})  # fmt: skip
@@ -346,16 +333,13 @@ def main(argv=None) -> dict:
     randomized = random_source(v, d, n, trained["counts"], args.seed)
     sources = [run_source("trained", trained, args, samplers, ks), run_source("random", randomized, args, samplers, ks)]
 
-    def provider(r):
-        return r["sampler"] + ("" if r["K"] is None else f"/K={r['K']}") + ("/learned" if r.get("codebooks") == "learned" else "")
-
-    rows = [common.row(env, op="kl", provider=provider(r), metric="kl_q_p", unit="nats", x_name="source",
-                       x_value=s["label"], value=r["kl_qp"]) for s in sources for r in s["results"]]  # fmt: skip
+    named = [{**r, "provider": r["sampler"] + ("" if r["K"] is None else f"/K={r['K']}")
+              + ("/learned" if r.get("codebooks") == "learned" else "")} for s in sources for r in s["results"]]  # fmt: skip
+    rows = common.rows(env, named, op="kl", provider="provider", x_name="source", x="source",
+                       metrics={"kl_qp": ("kl_q_p", "nats"), "kl_pq": ("kl_p_q", "nats"), "ess": ("ess", "fraction")})
     cumulative_tail = {  # a few points of each curve, for readers of the JSON
         s["label"]: {order: {n: [float(c[min(i, len(c) - 1)]) for i in (0, 9, 99, 999, 9999)] for n, c in curves.items()}
-                     for order, curves in s["cumulative"].items()}
-        for s in sources
-    }  # fmt: skip
+                     for order, curves in s["cumulative"].items()} for s in sources}  # fmt: skip
     extra = {"predicts_perplexity": predictiveness(sources[0], ppl, args.plot_k)} if ppl else {}
     md = render_markdown(env, settings, sources)
     if ppl:
@@ -369,34 +353,20 @@ def main(argv=None) -> dict:
     return common.finish(
         args, NAME, env, settings, md, plots, sources=[{k: v for k, v in s.items() if k != "cumulative"} for s in sources],
         rows=rows, paper_learned_codebooks={k: {"kmeans": a, "learned": b} for k, (a, b) in PAPER_LEARNED.items()},
-        cumulative_tail=cumulative_tail, **extra,
-    )  # fmt: skip
+        cumulative_tail=cumulative_tail, **extra)  # fmt: skip
 
 
 def _spearman(x: list[float], y: list[float]) -> float | None:
-    """Spearman rank correlation (average ranks for ties); None for fewer than 3 points."""
+    """Spearman rank correlation (average ranks for ties); None for fewer than 3 points or a constant side."""
     if len(x) < 3:
         return None
 
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(v):
-            j = i
-            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for t in range(i, j + 1):
-                r[order[t]] = (i + j) / 2.0
-            i = j + 1
-        return r
+    def ranks(v):  # 0-based: the values below, plus half the other equal values
+        t = torch.tensor(v, dtype=torch.float64)
+        return (t[None] < t[:, None]).sum(1) + ((t[None] == t[:, None]).sum(1) - 1) / 2
 
-    rx, ry = ranks(x), ranks(y)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    sx = math.sqrt(sum((a - mx) ** 2 for a in rx))
-    sy = math.sqrt(sum((b - my) ** 2 for b in ry))
-    return None if sx == 0 or sy == 0 else cov / (sx * sy)
+    r = torch.corrcoef(torch.stack([ranks(x), ranks(y)]))[0, 1]
+    return float(r) if torch.isfinite(r) else None
 
 
 def predictiveness(source: dict, ppl: dict, plot_k: int) -> dict:
@@ -456,8 +426,7 @@ def render_markdown(env, settings, sources):
             ("grad bias, hidden (± MC se)", lambda r: f"{_f4(r['grad_bias_hidden'])} ± {_f4(r['grad_se_hidden'])}"),
             ("hidden, noise removed", lambda r: _f4(r["grad_bias_hidden_debiased"])),
             ("grad bias, weight (± MC se)", lambda r: f"{_f4(r['grad_bias_weight'])} ± {_f4(r['grad_se_weight'])}"),
-            ("weight, noise removed", lambda r: _f4(r["grad_bias_weight_debiased"])),
-        ]) + "\n")  # fmt: skip
+            ("weight, noise removed", lambda r: _f4(r["grad_bias_weight_debiased"]))]) + "\n")  # fmt: skip
         learned = [r for r in s["results"] if r.get("codebooks") == "learned"]
         if learned:
             parts.append(f"### k-means vs learned codebooks ({s['label']}, K={settings['learn_k']}, "

@@ -1,18 +1,16 @@
 """Sampling time vs number of classes (the paper's "Sampling Time vs #Class"), and index build time.
 
 For every sampler of ``hf_midx.SAMPLERS`` (and, named with ``--samplers``, the variants of issue 9 in
-``common.VARIANTS`` that are a proposal alone: the defensive mixtures, the frequency last stage, an exact
-head), the time of ``sampler.sample(queries, M)`` (M = 100 draws
-and their log-probabilities for each of T = 256 and T = 2048 queries) as V grows from 10k to 1M,
-with K = 64 codewords. The build (k-means, tables) is not in that time; it is reported on its own,
-for the torch and the faiss k-means and for residual (rq) and product (pq) quantization.
+``common.VARIANTS`` that are a proposal alone: the defensive mixtures, the frequency last stage, an exact head), the
+time of ``sampler.sample(queries, M)`` (M = 100 draws and their log-probabilities for each of T = 256 and T = 2048
+queries) as V grows from 10k to 1M, with K = 64 codewords. The build (k-means, tables) is not in that time; it is
+reported on its own, for the torch and the faiss k-means and for residual (rq) and product (pq) quantization.
 
-MIDX should stay nearly flat in V: the report gives t(V_max) / t(V_min) for every sampler (target
-<= 1.3 for midx-rq and midx-pq from 10k to 1M), and what a MIDX draw costs per 1,000 queries at
-V = 33,278 (WikiText-2) and V = 1M.
+MIDX should stay nearly flat in V: the report gives t(V_max) / t(V_min) for every sampler (target <= 1.3 for midx-rq
+and midx-pq from 10k to 1M), and what a MIDX draw costs per 1,000 queries at V = 33,278 (WikiText-2) and V = 1M.
 
-The exhaustive baselines (sphere, rff, midx-exact) cost O(V D) per query; ``--exhaustive_max_v``
-caps their V range (10,000 in ``--quick``, which also uses 5 k-means iterations).
+The exhaustive baselines (sphere, rff, midx-exact) cost O(V D) per query; ``--exhaustive_max_v`` caps their V range
+(10,000 in ``--quick``, which also uses 5 k-means iterations).
 
 Embeddings are i.i.d. Gaussian (V, D); queries i.i.d. Gaussian (T, D); unigram counts are Zipf(1).
 
@@ -21,6 +19,7 @@ Run: ``python recipes/benchmarks/bench_sampling.py --out bench-out [--quick] [--
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import torch
@@ -44,8 +43,7 @@ def parse_args(argv=None):
         __doc__.splitlines()[0], vocab=(None, "default 10000 33278 100000 330000 1000000; quick 10000 33278"),
         queries=[256, 2048], num_samples=100, dim=256, codebook_size=64, kmeans_iters=(None, "default 20; quick 5"),
         samplers=(None, "default: all of hf_midx.SAMPLERS; also " + ", ".join(common.proposal_variants())),
-        budget_s=(None, "default 20; quick 1"),
-    )  # fmt: skip
+        budget_s=(None, "default 20; quick 1"))  # fmt: skip
     p.add_argument("--exhaustive_max_v", type=int, default=None,
                    help="largest V for sphere/rff/midx-exact (default: all; quick 10000)")  # fmt: skip
     p.add_argument("--build_backends", nargs="+", default=None,
@@ -54,11 +52,7 @@ def parse_args(argv=None):
 
 
 def _faiss_available() -> bool:
-    try:
-        import faiss  # noqa: F401, PLC0415
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("faiss") is not None
 
 
 def main(argv=None) -> dict:
@@ -83,10 +77,9 @@ def main(argv=None) -> dict:
         kmeans_iters=args.kmeans_iters, samplers=samplers, exhaustive_max_v=ex_max, build_backends=backends,
         warmup=warmup, repeats=repeats, budget_s=args.budget_s,
         timed="sampler.sample(queries, M): ids and log Q of M draws per query (build excluded)",
-        data="i.i.d. Gaussian embeddings and queries, Zipf(1) unigram counts",
-    )  # fmt: skip
+        data="i.i.d. Gaussian embeddings and queries, Zipf(1) unigram counts")  # fmt: skip
 
-    results, builds, rows = [], [], []
+    results, builds = [], []
     for v in vocab:
         gen = torch.Generator().manual_seed(args.seed)
         emb = (torch.randn(v, d, generator=gen) * d**-0.5).to(device)
@@ -100,55 +93,38 @@ def main(argv=None) -> dict:
                             for t in args.queries]  # fmt: skip
                 continue
             t0 = time.perf_counter()
-            built[name] = build(name, emb, counts, k, args, built)
+            built[name] = common.build_sampler(name, emb, counts, k, args.seed, built, kmeans_iters=args.kmeans_iters)
             common.sync(device)
-            secs = time.perf_counter() - t0
-            builds.append({"V": v, "sampler": name, "backend": "torch" if name.startswith("midx") else None, "build_s": secs,
+            builds.append({"V": v, "sampler": name, "backend": "torch" if name.startswith("midx") else None,
+                           "build_s": time.perf_counter() - t0,
                            "note": "index copied from midx-rq" if name == "midx-exact" else None})  # fmt: skip
             for t in args.queries:
-                smp, q = built[name], queries[t]
-                stats = common.time_op(lambda smp=smp, q=q: smp.sample(q, m), device, warmup=warmup, repeats=repeats,
-                                       budget_s=args.budget_s)  # fmt: skip
-                results.append({"V": v, "T": t, "sampler": name, "ms": stats["p50"], "ms_p20": stats["p20"],
-                                "ms_p80": stats["p80"], "repeats": stats["n"], "ms_per_1000_queries": stats["p50"] / t * 1000})  # fmt: skip
-                rows.append(common.row(env, op="sample", provider=name, metric="time", unit="ms", x_name="V", x_value=v,
-                                       stats=stats, T=t, M=m, K=k, D=d))  # fmt: skip
-                print(f"{name:12s} T={t:5d}: {common.fmt_ms(stats['p50']):>9s}   (build {secs:.2f} s)")
+                rec = common.measure(f"{name} T={t}", lambda s=built[name], q=queries[t]: s.sample(q, m), device,
+                                     warmup=warmup, repeats=repeats, budget_s=args.budget_s, memory=False)  # fmt: skip
+                per_1000 = {"ms_per_1000_queries": rec["ms"] / t * 1000} if "ms" in rec else {}
+                results.append({"V": v, "T": t, "sampler": name, **rec, **per_1000})
         del built
-        # Index build alone: rq vs pq, torch vs faiss k-means.
-        for backend in backends:
+        for backend in backends:  # the index build alone: rq vs pq, torch vs faiss k-means
             for quantizer in ("rq", "pq"):
                 t0 = time.perf_counter()
                 index = MidxIndex.build(emb, k, quantizer=quantizer, kmeans_iters=args.kmeans_iters,
                                         kmeans_backend=backend, seed=args.seed)  # fmt: skip
                 common.sync(device)
-                secs = time.perf_counter() - t0
-                rec = {"V": v, "quantizer": quantizer, "backend": backend, "build_s": secs,
-                       "distortion": index.distortion(emb), "nonempty_buckets": int((index.bucket_counts > 0).sum())}  # fmt: skip
-                builds.append({**rec, "sampler": f"index-{quantizer}"})
-                rows.append(common.row(env, op="index_build", provider=f"{quantizer}/{backend}", metric="time", unit="s",
-                                       x_name="V", x_value=v, value=secs, K=k, D=d, kmeans_iters=args.kmeans_iters))  # fmt: skip
-                print(f"index {quantizer}/{backend:5s}: {secs:7.2f} s  distortion {rec['distortion']:.4f}")
+                builds.append({"V": v, "sampler": f"index-{quantizer}", "quantizer": quantizer, "backend": backend,
+                               "provider": f"{quantizer}/{backend}", "build_s": time.perf_counter() - t0,
+                               "distortion": index.distortion(emb),
+                               "nonempty_buckets": int((index.bucket_counts > 0).sum())})  # fmt: skip
+                print(f"index {quantizer}/{backend:5s}: {builds[-1]['build_s']:7.2f} s  distortion {builds[-1]['distortion']:.4f}")
         common.free_memory(device)
 
+    rows = common.rows(env, results, op="sample", provider="sampler", x_name="V", x="V", extra=("T",),
+                       metrics={"ms": ("time", "ms")})
+    rows += common.rows(env, [b for b in builds if "provider" in b], op="index_build", provider="provider", x_name="V",
+                        x="V", metrics={"build_s": ("time", "s")})  # fmt: skip
     summary = summarize(results, args.queries, samplers)
     md = render_markdown(env, settings, results, builds, summary, vocab, args.queries, samplers)
     return common.finish(args, NAME, env, settings, md, lambda: plot(args.out, results, builds, args.queries, samplers, m),
                          rows=rows, results=results, builds=builds, summary=summary)  # fmt: skip
-
-
-def build(name, emb, counts, k, args, built):
-    if name == "midx-exact" and "midx-rq" in built:
-        # Same index as midx-rq (no second k-means): build with 0 iterations, then load rq's tables.
-        smp = hf_midx.build_sampler(name, emb, codebook_size=k, seed=args.seed, kmeans_iters=0)
-        state = built["midx-rq"].state_dict()
-        state["embeddings"] = emb
-        smp.load_state_dict(state)
-        return smp
-    if name in common.VARIANTS:
-        return common.build_variant(name, emb, counts, codebook_size=k, seed=args.seed, kmeans_iters=args.kmeans_iters)
-    opts = {"kmeans_iters": args.kmeans_iters} if name.startswith("midx") else {}
-    return hf_midx.build_sampler(name, emb, codebook_size=k, class_counts=counts, seed=args.seed, **opts)
 
 
 def summarize(results, queries, samplers):

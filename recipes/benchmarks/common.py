@@ -1,32 +1,27 @@
-"""What every hf-midx benchmark shares: one command line, one header, one way to time and to weigh.
+"""The benchmark runner every script under ``recipes/benchmarks`` shares, laid out as Liger-Kernel's.
 
-Each script under ``recipes/benchmarks`` runs as ``python recipes/benchmarks/<name>.py --out DIR
-[--quick] [--device cpu|cuda]`` and writes ``DIR/<name>.json`` (settings, environment, every row),
-``DIR/<name>.md`` (the tables) and PNG plots.
+A benchmark is the question it asks plus calls to this module: ``base_parser`` / ``parse`` (one command
+line: ``--out DIR [--quick|--smoke] [--device cpu|cuda]``), ``start`` (the header: device, versions,
+commit, settings), ``measure`` (one case: time and peak memory, or why it was skipped), ``rows`` (Liger's
+rows: one per case and metric, with device, versions and the 20/50/80 % quantiles), ``finish`` (writes
+``OUT/<name>.json`` and ``OUT/<name>.md``, then the PNGs of ``plot_panels``).
 
-Rows follow Liger-Kernel's benchmark rows: one per (case, metric), with the device, the library
-versions and the 20/50/80 % quantiles of the repeats.
+Timing (:func:`time_op`): ``warmup`` untimed calls, then ``repeats`` timed ones with ``time.perf_counter``,
+bracketed by ``torch.cuda.synchronize`` on a GPU. A case whose first timed call is slow gets fewer repeats
+(``budget_s``), never fewer than one.
 
-Timing (:func:`time_op`): ``warmup`` untimed calls, then ``repeats`` timed ones with
-``time.perf_counter``, bracketed by ``torch.cuda.synchronize`` on a GPU. A case whose first timed
-call is slow gets fewer repeats (``budget_s``), never fewer than one.
-
-Peak memory (:func:`peak_memory`), always in a separate, untimed call:
-
-* GPU: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was
-  allocated before the call: the op's own peak, outputs and gradients included.
-* CPU: torch has no CPU allocator statistics, so the call runs under ``torch.profiler`` with
-  ``profile_memory=True``; the profiler records every allocation and free of torch's CPU allocator
-  with a timestamp, and the peak is the largest running sum of those since the call began. It counts
-  torch tensors only (not the Python heap, not faiss's or BLAS's private buffers), the same things
-  ``max_memory_allocated`` counts on a GPU. (``ru_maxrss`` was not used: it is a process-wide high
-  water mark that an earlier, larger step -- e.g. building the index -- hides.)
+Peak memory (:func:`peak_memory`), always in a separate, untimed call. GPU: ``max_memory_allocated`` after
+``reset_peak_memory_stats``, minus what was allocated before: the op's own peak, outputs and gradients
+included. CPU: torch has no CPU allocator statistics, so the call runs under ``torch.profiler`` with
+``profile_memory=True``, and the peak is the largest running sum of its allocation events: torch tensors
+only, as on a GPU (``ru_maxrss`` is a process-wide high-water mark that an earlier, larger step hides).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gc
 import json
 import math
 import os
@@ -41,43 +36,42 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+RECIPES_DIR = REPO_ROOT / "recipes"
+DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data" / "wikitext-2"
+SAMPLE_DATA_DIR = RECIPES_DIR / "data" / "wikitext2_sample"
+#: (V, D) of the output layers of real models (their configs' vocab_size and hidden_size).
+MODEL_SHAPES = {"llama3-8b": (128256, 4096), "gemma2-2b": (256000, 2304), "qwen2.5-0.5b": (151936, 896),
+                "gemma3-270m": (262144, 640)}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- command line
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1 (anything else is a parser error naming the flag)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
+    value = int(text) if text.lstrip("-").isdigit() else 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
 
 
-#: Flags that several benchmarks take: name -> (type, nargs, help). A script asks for them by name in
-#: base_parser with its own default, and, where the default depends on --quick, the help says which.
+#: Flags several benchmarks take: name -> (type, nargs, help). A script asks for them by name in
+#: base_parser, with its own default.
 SHARED_FLAGS = {
     "samplers": (str, "+", "proposals to run: names of hf_midx.SAMPLERS or of common.VARIANTS"),
-    "vocab": (int, "+", "V values (classes)"),
-    "queries": (int, "+", "T values (queries per call)"),
-    "dim": (int, None, "D (hidden size)"),
-    "num_samples": (int, None, "M negatives per token"),
-    "pool_size": (int, None, "P negatives in a shared pool"),
-    "codebook_size": (int, None, "K codewords per codebook"),
+    "vocab": (int, "+", "V values (classes)"), "queries": (int, "+", "T values (queries per call)"),
+    "dim": (int, None, "D (hidden size)"), "num_samples": (int, None, "M negatives per token"),
+    "pool_size": (int, None, "P negatives in a shared pool"), "codebook_size": (int, None, "K codewords per codebook"),
     "kmeans_iters": (int, None, "Lloyd iterations per codebook"),
     "budget_s": (float, None, "stop repeating a case after this many seconds"),
     "default_extra_m": (positive_int, "+", "also run the default head (MidxConfig()) with these M negatives per "
-                        "token, per-query: cases midx-default-m<M>"),
-}
+                        "token, per-query: cases midx-default-m<M>")}  # fmt: skip
 
 
-def base_parser(description: str, *, timed: bool = True, seed: bool = True, plots: bool = True, **shared) -> argparse.ArgumentParser:
+def base_parser(description: str, *, timed: bool = True, seed: bool = True, plots: bool = True, **shared):
     """The flags every benchmark takes, then the ``SHARED_FLAGS`` named in ``shared``; scripts add their own.
 
-    ``shared`` maps a flag to its default, or to ``(default, note)`` where the note (e.g. "default 60;
-    quick 5") says what None picks. ``timed=False``: a script that reads runs instead of timing (no
-    --quick, --smoke, --device, --warmup, --repeats); ``seed`` / ``plots`` False: no --seed / --no_plots.
+    ``shared`` maps a flag to its default, or to ``(default, note)`` where the note (e.g. "default 60; quick 5")
+    says what None picks. ``timed=False``: a script that reads runs instead of timing (no --quick, --smoke,
+    --device, --warmup, --repeats); ``seed`` / ``plots`` False: no --seed / --no_plots.
     """
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="bench-out", help="output folder for <name>.json, <name>.md and the PNG plots")
@@ -86,8 +80,8 @@ def base_parser(description: str, *, timed: bool = True, seed: bool = True, plot
         p.add_argument("--smoke", action="store_true", help="tiny sizes for the test suite: checks that everything "
                        "runs and writes its files; implies --quick; the numbers mean nothing")  # fmt: skip
         p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
-        p.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default: 1, quick: 1)")
-        p.add_argument("--repeats", type=int, default=None, help="timed calls per case (default: 5, quick: 2)")
+        p.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default 1)")
+        p.add_argument("--repeats", type=int, default=None, help="timed calls per case (default: the script's)")
     if seed:
         p.add_argument("--seed", type=int, default=0)
     if plots:
@@ -99,11 +93,6 @@ def base_parser(description: str, *, timed: bool = True, seed: bool = True, plot
     return p
 
 
-def by_size(args: argparse.Namespace, smoke, quick, full):
-    """The value of a size for this run: ``smoke``, ``quick`` or ``full``."""
-    return smoke if args.smoke else quick if args.quick else full
-
-
 def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """``parser.parse_args`` with ``--smoke`` implying ``--quick``."""
     args = parser.parse_args(argv)
@@ -112,9 +101,9 @@ def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     return args
 
 
-def run_settings(args: argparse.Namespace, **specific) -> dict:
-    """A run's settings for the header and the JSON: the script's own, then the flags of base_parser."""
-    return {**specific, "quick": args.quick, "smoke": args.smoke, "seed": args.seed}
+def by_size(args: argparse.Namespace, smoke, quick, full):
+    """The value of a size for this run: ``smoke``, ``quick`` or ``full``."""
+    return smoke if args.smoke else quick if args.quick else full
 
 
 def resolve_device(name: str) -> torch.device:
@@ -127,9 +116,8 @@ def resolve_device(name: str) -> torch.device:
 
 def repeats_of(args, full: int = 5, quick: int = 2) -> tuple[int, int]:
     """(warmup, repeats) from the flags, with the script's defaults."""
-    warmup = 1 if args.warmup is None else args.warmup
     repeats = (quick if args.quick else full) if args.repeats is None else args.repeats
-    return warmup, max(1, repeats)
+    return (1 if args.warmup is None else args.warmup), max(1, repeats)
 
 
 # ---------------------------------------------------------------------------- environment
@@ -144,29 +132,21 @@ def git_commit() -> dict[str, Any]:
         return {"commit": None, "dirty": None}
 
 
-def _cpu_name() -> str:
+def _proc(path: str, key: str) -> str | None:
+    """The value of ``key:`` in a /proc file (cpuinfo, meminfo), or None."""
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+        with open(path) as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":")[0].strip() == key), None)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return None
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{_cpu_name()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
-
-
-def _version(module: str) -> str | None:
+def _version(dist: str) -> str | None:
     """An optional package's version (faiss, Liger): hf_midx.versions() lists only what a run needs."""
     from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
 
     try:
-        return version(module)
+        return version(dist)
     except PackageNotFoundError:
         return None
 
@@ -175,80 +155,56 @@ def environment(device: torch.device) -> dict[str, Any]:
     """Device, library versions, git commit and time: stored in every JSON and printed first."""
     import hf_midx  # noqa: PLC0415
 
-    versions = hf_midx.versions()
-    env = {
-        "device_type": device.type, "device": device_name(device), "python": versions["python"],
-        "platform": platform.platform(), "torch": versions.get("torch", torch.__version__),
-        "transformers": versions.get("transformers"), "hf_midx": versions["hf_midx"],
-        "faiss": _version("faiss-cpu") or _version("faiss-gpu") or _version("faiss"),
-        "liger_kernel": _version("liger-kernel"), "cut_cross_entropy": _version("cut-cross-entropy"),
-        "accelerate": versions.get("accelerate"), "triton": _version("triton") or _version("pytorch-triton"),
-        "cuda": torch.version.cuda, "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(), "mem_total_gb": round(mem_total_bytes() / 2**30, 1) if mem_total_bytes() else None,
-        "git": git_commit(), "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }  # fmt: skip
+    v = hf_midx.versions()
+    cpu = _proc("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"{cpu} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"  # fmt: skip
+    total = _proc("/proc/meminfo", "MemTotal")
+    env = {"device_type": device.type, "device": name, "python": v["python"], "platform": platform.platform(),
+           "torch": v.get("torch", torch.__version__), "transformers": v.get("transformers"), "hf_midx": v["hf_midx"],
+           "faiss": _version("faiss-cpu") or _version("faiss-gpu") or _version("faiss"),
+           "liger_kernel": _version("liger-kernel"), "cut_cross_entropy": _version("cut-cross-entropy"),
+           "accelerate": v.get("accelerate"), "triton": _version("triton") or _version("pytorch-triton"),
+           "cuda": torch.version.cuda, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+           "mem_total_gb": round(int(total.split()[0]) / 2**20, 1) if total else None,
+           "git": git_commit(), "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
     if device.type == "cuda":
         env["gpu_memory_gb"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
     return env
 
 
-def print_header(name: str, env: dict, settings: dict) -> None:
+def header(env: dict, settings: dict) -> list[tuple[str, str]]:
+    """(key, value) lines of a run's header: printed first and written at the top of its Markdown."""
     git = env["git"]
-    print(f"== {name} ==")
-    print(f"device      : {env['device']}")
-    print(
-        f"versions    : hf_midx {env['hf_midx']}, torch {env['torch']} (CUDA {env.get('cuda')}), transformers "
-        f"{env['transformers']}, accelerate {env.get('accelerate')}, triton {env.get('triton')}, faiss {env['faiss']}, "
-        f"liger_kernel {env['liger_kernel']}, cut_cross_entropy {env.get('cut_cross_entropy')}, python {env['python']}"
-    )
-    print(f"git commit  : {git['commit']}{' (local changes)' if git['dirty'] else ''}")
-    print(f"settings    : {json.dumps(settings, default=str)}")
-    sys.stdout.flush()
+    versions = (f"hf_midx {env['hf_midx']}, torch {env['torch']} (CUDA {env.get('cuda')}), transformers "
+                f"{env['transformers']}, accelerate {env.get('accelerate')}, triton {env.get('triton')}, faiss "
+                f"{env['faiss']}, liger_kernel {env['liger_kernel']}, cut_cross_entropy {env.get('cut_cross_entropy')}")
+    return [("device", env["device"]), ("versions", versions),
+            ("git commit", f"{git['commit']}{' (local changes)' if git['dirty'] else ''}"),
+            ("date", env["timestamp"]), ("settings", json.dumps(settings, default=str))]
 
 
 def start(name: str, args: argparse.Namespace, device: torch.device, **settings) -> tuple[dict, dict]:
-    """A run's environment and settings (``run_settings``), printed as its header; returns both."""
+    """A run's environment and settings (the script's, then --quick, --smoke, --seed), printed as its header."""
     env = environment(device)
-    settings = run_settings(args, **settings)
-    print_header(name, env, settings)
+    settings = {**settings, "quick": args.quick, "smoke": args.smoke, "seed": args.seed}
+    print(f"== {name} ==", *(f"{k:11s} : {v}" for k, v in header(env, settings)), sep="\n", flush=True)
     return env, settings
-
-
-def _meminfo(key: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def mem_total_bytes() -> int | None:
-    return _meminfo("MemTotal")
-
-
-def mem_available_bytes() -> int | None:
-    return _meminfo("MemAvailable")
 
 
 def memory_budget_bytes(device: torch.device, max_gb: float) -> int:
     """Bytes a single case may use: ``max_gb``, capped by 85 % of the free device (or host) memory."""
-    cap = max_gb * 2**30
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(min(cap, 0.85 * free))
-    avail = mem_available_bytes()
-    return int(min(cap, 0.85 * avail)) if avail else int(cap)
+    avail = _proc("/proc/meminfo", "MemAvailable")  # "N kB"
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else avail and int(avail.split()[0]) * 1024
+    return int(min(max_gb * 2**30, 0.85 * free)) if free else int(max_gb * 2**30)
 
 
-# ---------------------------------------------------------------------------- timing and memory
+# ---------------------------------------------------------------------------- inputs
 def zipf_counts(v: int, tokens: float = 1e6, generator: torch.Generator | None = None) -> torch.Tensor:
     """(V,) float64 token counts of a Zipf(1) corpus of ``tokens`` tokens (rare classes may count 0).
 
-    With ``generator``, class ids are shuffled, so that frequency is not the id; without, class 0 is
-    the most frequent. The one generator of synthetic frequencies for every benchmark.
+    With ``generator``, class ids are shuffled, so that frequency is not the id; without, class 0 is the
+    most frequent. The one generator of synthetic frequencies for every benchmark.
     """
     p = 1.0 / torch.arange(1, v + 1, dtype=torch.float64)
     counts = (p / p.sum() * tokens).floor()
@@ -260,151 +216,138 @@ def zipf_labels(counts: torch.Tensor, n: int, generator: torch.Generator | None 
     return torch.multinomial(counts.float() + 1, n, replacement=True, generator=generator)
 
 
+# ---------------------------------------------------------------------------- timing, memory: the runner
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def quantiles(values: Sequence[float]) -> dict[str, float]:
     """20 / 50 / 80 % quantiles (Liger-Kernel's y_values_20/50/80), mean and min."""
     v = sorted(values)
-    if len(v) == 1:
-        q20 = q50 = q80 = v[0]
-    else:
-        qs = statistics.quantiles(v, n=10, method="inclusive")
-        q20, q50, q80 = qs[1], statistics.median(v), qs[7]
-    return {"p20": q20, "p50": q50, "p80": q80, "mean": statistics.fmean(v), "min": v[0], "n": len(v)}
+    qs = statistics.quantiles(v, n=10, method="inclusive") if len(v) > 1 else [v[0]] * 9
+    return {"p20": qs[1], "p50": statistics.median(v), "p80": qs[7], "mean": statistics.fmean(v), "min": v[0], "n": len(v)}
 
 
-def time_op(
-    fn: Callable[[], Any],
-    device: torch.device,
-    *,
-    warmup: int = 1,
-    repeats: int = 5,
-    budget_s: float | None = None,
-) -> dict[str, float]:
+def time_op(fn: Callable[[], Any], device: torch.device, *, warmup: int = 1, repeats: int = 5,
+            budget_s: float | None = None) -> dict[str, float]:  # fmt: skip
     """Milliseconds per call of ``fn`` (quantiles over ``repeats`` calls after ``warmup`` calls).
 
-    With ``budget_s``, repeats stop once their total passes the budget (at least one timed call). On
-    a CPU, a warmup call that alone takes longer than the budget is taken as the single measurement
-    (``"warm": False`` in the result); on a GPU never, since there the first call of a Triton kernel
-    (Liger, Cut Cross-Entropy) or of a compiled step includes its compilation (seconds to a minute).
+    With ``budget_s``, repeats stop once their total passes the budget (at least one timed call). On a CPU, a
+    warmup call that alone takes longer than the budget is taken as the single measurement (``"warm": False``);
+    on a GPU never, since there the first call of a Triton kernel or a compiled step includes its compilation.
     """
-    times: list[float] = []
-    spent = 0.0
+    def once() -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        return time.perf_counter() - t0
+
     for i in range(warmup):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        dt = time.perf_counter() - t0
+        dt = once()
         if i == 0 and budget_s is not None and dt >= budget_s and device.type == "cpu":
-            # One call already fills the budget: it is the measurement (its one-time costs are noise here).
-            return {**quantiles([dt * 1e3]), "warm": False}
-    for _ in range(max(1, repeats)):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        dt = time.perf_counter() - t0
-        times.append(dt * 1e3)
-        spent += dt
-        if budget_s is not None and spent >= budget_s:
-            break
+            return {**quantiles([dt * 1e3]), "warm": False}  # one call fills the budget: it is the measurement
+    times: list[float] = []
+    while len(times) < max(1, repeats) and (budget_s is None or sum(times) < budget_s * 1e3 or not times):
+        times.append(once() * 1e3)
     return {**quantiles(times), "warm": True}
 
 
 def peak_memory(fn: Callable[[], Any], device: torch.device) -> dict[str, Any]:
-    """Peak bytes that one call of ``fn`` allocates above what was allocated before it (see module doc)."""
+    """Peak bytes that one call of ``fn`` allocates above what was allocated before it (see the module doc)."""
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         fn()
         sync(device)
-        return {
-            "peak_bytes": int(torch.cuda.max_memory_allocated(device) - before),
-            "method": "cuda.max_memory_allocated",
-        }
+        return {"peak_bytes": int(torch.cuda.max_memory_allocated(device) - before), "method": "cuda.max_memory_allocated"}
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
         fn()
-    events = [
-        e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type().name == "CPU"
-    ]
-    events.sort(key=lambda e: e.start_ns())
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type().name == "CPU"]
     running = peak = 0
-    for e in events:
+    for e in sorted(events, key=lambda e: e.start_ns()):
         running += e.nbytes()
         peak = max(peak, running)
-    return {
-        "peak_bytes": int(peak),
-        "method": "torch.profiler(profile_memory=True): max running sum of CPU allocations",
-    }
+    return {"peak_bytes": int(peak), "method": "torch.profiler(profile_memory=True): max running sum of CPU allocations"}
 
 
-# ---------------------------------------------------------------------------- rows, tables, files
-def row(
-    env: dict,
-    *,
-    op: str,
-    provider: str,
-    metric: str,
-    unit: str,
-    x_name: str,
-    x_value: Any,
-    stats: dict[str, float] | None = None,
-    value: float | None = None,
-    **extra: Any,
-) -> dict[str, Any]:
-    """One Liger-style result row: what was measured, on which device and versions, and the numbers."""
-    r: dict[str, Any] = {
-        "op": op, "provider": provider, "metric": metric, "unit": unit, "x_name": x_name, "x_value": x_value,
-        "device": env["device"], "hf_midx_version": env["hf_midx"], "torch_version": env["torch"],
-        "git_commit": env["git"]["commit"], "timestamp": env["timestamp"],
-    }  # fmt: skip
-    if stats is not None:
-        r.update({"y_p20": stats["p20"], "y_p50": stats["p50"], "y_p80": stats["p80"], "repeats": stats["n"]})
-    elif value is not None:
-        r["y_p50"] = value
-    r.update(extra)
-    return r
+def measure(label: str, fn: Callable[[], Any], device: torch.device, *, warmup: int, repeats: int,
+            budget_s: float | None = None, memory: Callable[[], Any] | None | bool = True,
+            reset: Callable[[], None] = lambda: None) -> dict:  # fmt: skip
+    """One case: ``ms`` (p50), ``ms_p20``, ``ms_p80``, ``repeats``, ``warm`` and, unless ``memory`` is False,
+    ``peak_bytes`` of one more call (of ``memory`` when it is a function, else of ``fn``); or ``skipped``
+    with the error (an out-of-memory an estimate missed, a kernel's own error), so that the next case runs.
+    ``reset`` runs after each part (e.g. clearing gradients). Prints one line."""
+    try:
+        stats = time_op(fn, device, warmup=warmup, repeats=repeats, budget_s=budget_s)
+        reset()
+        free_memory(device)
+        rec = {"ms": stats["p50"], "ms_p20": stats["p20"], "ms_p80": stats["p80"], "repeats": stats["n"], "warm": stats["warm"]}
+        if memory is not False:
+            mem = peak_memory(memory if callable(memory) else fn, device)
+            rec.update(peak_bytes=mem["peak_bytes"], memory_method=mem["method"])
+    except Exception as err:  # noqa: BLE001 (recorded: the comparison goes on)
+        rec = {"skipped": f"error: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"}
+    reset()
+    free_memory(device)
+    print(f"{label:24s} " + (f"skipped: {rec['skipped']}" if "skipped" in rec else f"{fmt_ms(rec['ms']):>10s}"
+          + (f"  peak {fmt_bytes(rec['peak_bytes']):>10s}" if "peak_bytes" in rec else "")), flush=True)  # fmt: skip
+    return rec
 
 
+def rows(env: dict, results: Iterable[dict], *, op: str, provider: str, x_name: str, x: str, metrics: dict,
+         extra: Sequence[str] = ()) -> list[dict]:  # fmt: skip
+    """Liger-style rows of ``results``: one per result and metric (``metrics``: result key -> (metric, unit)),
+    with the device, versions and commit; ``provider``, ``x`` and ``extra`` name keys of the result. A time in
+    ``ms`` carries its p20 / p80 and repeats."""
+    out = []
+    for r in results:
+        for key, (metric, unit) in metrics.items():
+            if r.get(key) is None:
+                continue
+            row = {"op": op, "provider": r[provider], "metric": metric, "unit": unit, "x_name": x_name, "x_value": r[x],
+                   "y_p50": r[key], "device": env["device"], "hf_midx_version": env["hf_midx"],
+                   "torch_version": env["torch"], "git_commit": env["git"]["commit"], "timestamp": env["timestamp"],
+                   **{k: r[k] for k in extra if k in r}}  # fmt: skip
+            if key == "ms":
+                row.update(y_p20=r["ms_p20"], y_p80=r["ms_p80"], repeats=r["repeats"])
+            out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------------------- tables and files
 def fmt_ms(ms: float | None) -> str:
     if ms is None or (isinstance(ms, float) and math.isnan(ms)):
         return "-"
-    if ms >= 10_000:
-        return f"{ms / 1e3:.1f} s"
-    if ms >= 100:
-        return f"{ms:.0f} ms"
-    if ms >= 1:
-        return f"{ms:.2f} ms"
-    return f"{ms * 1e3:.0f} us"
+    return f"{ms / 1e3:.1f} s" if ms >= 10_000 else f"{ms:.0f} ms" if ms >= 100 else f"{ms:.2f} ms" if ms >= 1 else f"{ms * 1e3:.0f} us"
 
 
 def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+    unit, scale = next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if abs(n) >= s), ("B", 1))
+    return f"{int(n)} B" if scale == 1 else f"{n / scale:.2f} {unit}"
 
 
 def fmt_ratio(x: float | None, digits: int = 1) -> str:
-    if x is None or (isinstance(x, float) and (math.isnan(x) or math.isinf(x))):
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "-"
-    if x >= 100:
-        return f"{x:.0f}x"
-    return f"{x:.{digits}f}x"
+    return f"{x:.0f}x" if x >= 100 else f"{x:.{digits}f}x"
 
 
 def markdown_table(rows: Iterable[dict], columns: Sequence[tuple[str, Any]]) -> str:
-    """A GitHub table; ``columns`` are (header, key) pairs, a key being a row's key or a function of the
-    row; None (or a missing key) prints as '-'."""
+    """A GitHub table; ``columns`` are (header, key) pairs, a key being a row's key or a function of the row;
+    None (or a missing key) prints as '-'."""
     lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
     for r in rows:
         cells = (key(r) if callable(key) else r.get(key) for _, key in columns)
@@ -414,35 +357,18 @@ def markdown_table(rows: Iterable[dict], columns: Sequence[tuple[str, Any]]) -> 
 
 def report(title: str, env: dict, settings: dict, *parts: str) -> str:
     """A benchmark's Markdown: the header (device, versions, commit, settings), then ``parts``, one a line."""
-    return "\n".join([header_markdown(title, env, settings), "", *parts])
+    head = [f"- {k}: `{v}`" if k == "settings" else f"- {k}: {v}" for k, v in header(env, settings)]
+    return "\n".join([f"# {title}", "", *head, "", *parts])
 
 
-def header_markdown(name: str, env: dict, settings: dict) -> str:
-    git = env["git"]
-    commit = (git["commit"] or "unknown")[:12] + (" (local changes)" if git["dirty"] else "")
-    lines = [
-        f"# {name}",
-        "",
-        f"- device: {env['device']}",
-        f"- versions: hf_midx {env['hf_midx']}, torch {env['torch']} (CUDA {env.get('cuda')}), transformers "
-        f"{env['transformers']}, accelerate {env.get('accelerate')}, triton {env.get('triton')}, faiss {env['faiss']}, "
-        f"liger_kernel {env['liger_kernel']}, cut_cross_entropy {env.get('cut_cross_entropy')}",
-        f"- git commit: {commit}",
-        f"- date: {env['timestamp']}",
-        f"- settings: `{json.dumps(settings, default=str)}`",
-    ]
-    return "\n".join(lines)
-
-
-def write_outputs(out_dir: str | Path, name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
-    """Write ``<out>/<name>.json`` and ``<out>/<name>.md``; returns both paths."""
+def write_outputs(out_dir: str | Path, name: str, payload: dict, markdown: str) -> None:
+    """Write ``<out>/<name>.json`` and ``<out>/<name>.md``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    js, md = out / f"{name}.json", out / f"{name}.md"
-    js.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
-    md.write_text(markdown.rstrip() + "\n")
-    print(f"wrote {js} and {md}")
-    return js, md
+    default = lambda o: o.tolist() if isinstance(o, torch.Tensor) else str(o)  # noqa: E731
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=2, default=default) + "\n")
+    (out / f"{name}.md").write_text(markdown.rstrip() + "\n")
+    print(f"wrote {out / name}.json and .md")
 
 
 def finish(args: argparse.Namespace, name: str, env: dict, settings: dict, markdown: str, plot=None, **fields) -> dict:
@@ -456,14 +382,6 @@ def finish(args: argparse.Namespace, name: str, env: dict, settings: dict, markd
     return payload
 
 
-def _json_default(obj):
-    if isinstance(obj, (torch.device, Path)):
-        return str(obj)
-    if isinstance(obj, torch.Tensor):
-        return obj.tolist()
-    return str(obj)
-
-
 def pyplot():
     """matplotlib.pyplot on the Agg backend (files only), imported on first use."""
     try:
@@ -472,9 +390,7 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError as err:
-        raise ImportError(
-            "The benchmark plots need matplotlib: pip install 'hf-midx[bench]' (or pass --no_plots)."
-        ) from err
+        raise ImportError("The benchmark plots need matplotlib: pip install 'hf-midx[bench]' (or pass --no_plots).") from err
     return plt
 
 
@@ -497,27 +413,29 @@ def lines(rows: Iterable[dict], x: str, y: str, by: str, **where) -> dict[str, t
     return {k: tuple(map(list, zip(*sorted(pts, key=lambda p: p[0])))) for k, pts in out.items()}
 
 
-def plot_panels(out_dir: str | Path, filename: str, panels: Sequence[dict], *, size=(6.0, 4.5)) -> Path:
-    """One PNG of side-by-side line panels, one line per provider (Liger-Kernel's visualizer).
+def plot_panels(out_dir: str | Path, filename: str, panels: Sequence[dict], *, size=(6.0, 4.5), rows: int = 1) -> Path:
+    """One PNG of line panels, one line per provider (Liger-Kernel's visualizer), on ``rows`` rows.
 
     A panel is a dict: ``lines`` ({label: (xs, ys)}), and optionally ``title``, ``xlabel``, ``ylabel``,
-    ``xscale`` / ``yscale`` (a name, or (name, options) such as ("log", {"base": 2})), ``style`` (label
-    -> plot options; default a marker per point), ``legend`` (font size, 0: none) and ``extra`` (a
-    function of the axes, for what one panel adds: a reference line, single points).
+    ``xscale`` / ``yscale`` (a name, or (name, options) such as ("log", {"base": 2})), ``style`` (label ->
+    plot options, or options for every line; default a marker per point), ``legend`` (font size, 0: none),
+    ``ylim`` / ``xlim`` and ``extra`` (a function of the axes: a reference line, single points, bars).
     """
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(size[0] * len(panels), size[1]), squeeze=False)
-    for ax, p in zip(axes[0], panels):
+    cols = math.ceil(len(panels) / rows)
+    fig, axes = plt.subplots(rows, cols, figsize=(size[0] * cols, size[1] * rows), squeeze=False)
+    for ax, p in zip(axes.flat, panels):
+        style = p.get("style", {"marker": "o"})
         for label, (xs, ys) in p["lines"].items():
-            ax.plot(xs, ys, label=label, **(p["style"](label) if "style" in p else {"marker": "o"}))
+            ax.plot(xs, ys, label=label, **(style(label) if callable(style) else style))
         for axis in ("x", "y"):
             scale = p.get(axis + "scale")
             if scale:
                 name, options = (scale, {}) if isinstance(scale, str) else scale
                 getattr(ax, f"set_{axis}scale")(name, **options)
-        ax.set_xlabel(p.get("xlabel", ""))
-        ax.set_ylabel(p.get("ylabel", ""))
-        ax.set_title(p.get("title", ""))
+            if p.get(axis + "lim"):
+                getattr(ax, f"set_{axis}lim")(*p[axis + "lim"])
+        ax.set(xlabel=p.get("xlabel", ""), ylabel=p.get("ylabel", ""), title=p.get("title", ""))
         ax.grid(True, which="both", alpha=0.3)
         if "extra" in p:
             p["extra"](ax)
@@ -526,39 +444,15 @@ def plot_panels(out_dir: str | Path, filename: str, panels: Sequence[dict], *, s
     return save_figure(fig, out_dir, filename)
 
 
-def free_memory(device: torch.device) -> None:
-    import gc  # noqa: PLC0415
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-# ---------------------------------------------------------------------------- shapes
-#: (V, D) of the output layers of real models (their configs' vocab_size and hidden_size).
-MODEL_SHAPES = {
-    "llama3-8b": (128256, 4096),
-    "gemma2-2b": (256000, 2304),
-    "qwen2.5-0.5b": (151936, 896),
-    "gemma3-270m": (262144, 640),
-}
-
-
-# ---------------------------------------------------------------------------- variants
+# ---------------------------------------------------------------------------- variants and exact kernels
 _NO_HEAD, _NO_MIX, _MIX = {"exact_head": 0}, {"mix_weight": 0.0}, {"mix_weight": 0.5, "mix_static": "unigram"}
-#: Issue 9's proposals, one name each for every benchmark: name -> (sampler, MidxConfig fields set on top
-#: of MidxConfig()'s defaults). A name says its whole recipe: without "head" it has no exact head, without
-#: "mix" no defensive mixture, except "learned" and "shared" (the default plus that one change) and
-#: "midx-rq-nomix", kept as the name earlier results use for "midx-rq-head2k-nomix". The head and the
-#: mixture are written out, so that a later change of a MidxConfig default does not change what a name
-#: measures. (Before this table, compare_samplers gave "midx-rq-mix-uniform", "-frequency" and
-#: "-frequency-mix" the recipe's exact head; bench_kl gave them none.) compare_samplers passes the fields
-#: to the recipe as its flags (variant_flags); bench_kl and bench_sampling build the proposal from them
-#: (build_variant), as the head would.
+#: Issue 9's proposals by name: (sampler, MidxConfig fields on top of MidxConfig()'s defaults). Without "head" a name
+#: has no exact head, without "mix" no mixture, except "learned" / "shared" (the default plus that change) and
+#: "midx-rq-nomix" (earlier results' "midx-rq-head2k-nomix"); written out, so that a later default leaves a name's
+#: meaning alone. compare_samplers passes them as recipe flags (variant_flags); others build them (build_variant).
 VARIANTS = {
     "midx-rq-paper": ("midx-rq", {"estimator": "exact-positive", **_NO_MIX, **_NO_HEAD}),  # midx-rq before issue 9
-    "midx-rq-nomix": ("midx-rq", {**_NO_MIX, "exact_head": 2048}),  # earlier results' name for head2k-nomix
-    "midx-rq-mix": ("midx-rq", {**_MIX, **_NO_HEAD}),
+    "midx-rq-nomix": ("midx-rq", {**_NO_MIX, "exact_head": 2048}), "midx-rq-mix": ("midx-rq", {**_MIX, **_NO_HEAD}),
     "midx-rq-mix-uniform": ("midx-rq", {**_MIX, "mix_static": "uniform", **_NO_HEAD}),
     "midx-rq-frequency": ("midx-rq", {"last_stage": "frequency", **_NO_MIX, **_NO_HEAD}),
     "midx-rq-frequency-mix": ("midx-rq", {"last_stage": "frequency", **_MIX, **_NO_HEAD}),
@@ -567,8 +461,7 @@ VARIANTS = {
     "midx-rq-head2k-frequency-mix": ("midx-rq", {"exact_head": 2048, "last_stage": "frequency", **_MIX}),
     "midx-rq-head512": ("midx-rq", {"exact_head": 512, **_MIX}),
     "midx-rq-head1k": ("midx-rq", {"exact_head": 1024, **_MIX}),
-    "midx-rq-head4k": ("midx-rq", {"exact_head": 4096, **_MIX}),
-    "unigram-head2k": ("unigram", {"exact_head": 2048}),
+    "midx-rq-head4k": ("midx-rq", {"exact_head": 4096, **_MIX}), "unigram-head2k": ("unigram", {"exact_head": 2048}),
     "unigram-exact-positive": ("unigram", {"estimator": "exact-positive"}),
     "midx-rq-learned": ("midx-rq", {"codebooks": "learned"}),
     "midx-rq-shared": ("midx-rq", {"negatives": "shared"}),  # the pool size is the benchmark's --pool_size
@@ -593,8 +486,7 @@ def build_variant(name: str, weight: torch.Tensor, counts: torch.Tensor, **chang
     """The proposal of ``VARIANTS[name]`` over (V, D) ``weight``, as the head builds it from its MidxConfig.
 
     ``changes`` are more MidxConfig fields (codebook_size, seed, kmeans_iters); the exact head is the
-    ``exact_head`` most frequent classes by ``counts``, at most V/4 of them (so that a small test
-    vocabulary keeps a tail to sample).
+    ``exact_head`` most frequent classes by ``counts``, at most V/4 of them (a small test vocabulary keeps a tail).
     """
     import hf_midx  # noqa: PLC0415
 
@@ -605,42 +497,51 @@ def build_variant(name: str, weight: torch.Tensor, counts: torch.Tensor, **chang
     return hf_midx.build_sampler(sampler, weight, class_counts=counts, exclude=exclude, **config.sampler_kwargs())
 
 
+def build_sampler(name: str, weight, counts, k: int, seed: int, built: dict | None = None, **options):
+    """A sampler or variant by name over (V, D) ``weight`` with K = ``k``; ``midx-exact`` reuses midx-rq's index
+    from ``built`` when it is there (no second k-means); ``options`` go to MIDX samplers only."""
+    import hf_midx  # noqa: PLC0415
+
+    if name in VARIANTS:
+        return build_variant(name, weight, counts, codebook_size=k, seed=seed, **options)
+    if name == "midx-exact" and built and "midx-rq" in built:
+        smp = hf_midx.build_sampler(name, weight, codebook_size=k, seed=seed, kmeans_iters=0)
+        smp.load_state_dict({**built["midx-rq"].state_dict(), "embeddings": weight})
+        return smp
+    opts = options if name.startswith("midx") else {}
+    return hf_midx.build_sampler(name, weight, codebook_size=k, class_counts=counts, seed=seed, **opts)
+
+
+def head_loss(head, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The sampled loss of a ``MidxLMHead`` on (T, D) hidden states and (T,) next-token labels (already shifted)."""
+    if hasattr(head, "loss"):
+        return head.loss(hidden, labels)
+    return head.loss_from_hidden(hidden, None, shift_labels=labels)
+
+
 def exact_kernels(device: torch.device) -> dict[str, Any]:
     """``cce`` / ``liger`` -> Cut Cross-Entropy's ``linear_cross_entropy`` / Liger's fused linear CE class, or
     None where the package is missing or there is no GPU (their kernels are Triton's)."""
     kernels: dict[str, Any] = {"cce": None, "liger": None}
     if device.type != "cuda":
         return kernels
-    try:
-        from cut_cross_entropy import linear_cross_entropy  # noqa: PLC0415
-
-        kernels["cce"] = linear_cross_entropy
-    except Exception as err:  # noqa: BLE001 (missing, or failing to import against this torch / triton)
-        print(f"cut_cross_entropy unusable ({type(err).__name__}: {err}): the cce case is left out "
-              "(pip install cut-cross-entropy).")  # fmt: skip
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # noqa: PLC0415
-
-        kernels["liger"] = LigerFusedLinearCrossEntropyLoss
-    except Exception as err:  # noqa: BLE001
-        print(f"liger_kernel unusable ({type(err).__name__}: {err}): the liger case is left out "
-              "(pip install liger-kernel).")  # fmt: skip
+    for key, module, attr, dist in (("cce", "cut_cross_entropy", "linear_cross_entropy", "cut-cross-entropy"),
+                                    ("liger", "liger_kernel.transformers", "LigerFusedLinearCrossEntropyLoss",
+                                     "liger-kernel")):  # fmt: skip
+        try:
+            kernels[key] = getattr(__import__(module, fromlist=[attr]), attr)
+        except Exception as err:  # noqa: BLE001 (missing, or failing to import against this torch / triton)
+            print(f"{module} unusable ({type(err).__name__}: {err}): the {key} case is left out (pip install {dist}).")
     return kernels
 
 
 # ---------------------------------------------------------------------------- the recipes
-RECIPES_DIR = REPO_ROOT / "recipes"
-DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data" / "wikitext-2"
-SAMPLE_DATA_DIR = RECIPES_DIR / "data" / "wikitext2_sample"
-
-
 def import_recipe(name: str):
     """Import ``recipes/<name>.py`` as ``recipes.<name>``.
 
-    The one ``sys.path`` edit of the benchmarks: a benchmark run as a file (``python
-    recipes/benchmarks/x.py``) has only its own folder on ``sys.path``, and the recipes import their
-    siblings as the package ``recipes`` (see recipes/__init__.py), so the repository root must be there
-    too; run as ``python -m recipes.benchmarks.x`` (or under pytest) it already is.
+    The one ``sys.path`` edit of the benchmarks: a benchmark run as a file has only its own folder on
+    ``sys.path``, and the recipes import their siblings as the package ``recipes``, so the repository root
+    must be there too; run as ``python -m recipes.benchmarks.x`` (or under pytest) it already is.
     """
     import importlib  # noqa: PLC0415
 
@@ -652,8 +553,8 @@ def import_recipe(name: str):
 def data_files(data_dir: str | Path | None) -> dict[str, Path] | None:
     """``{"train", "validation", "test"}`` text files of a WikiText-style folder (train.txt, valid.txt, test.txt).
 
-    ``None`` picks ``../shared/data/wikitext-2`` beside the repository when it exists. Returns None when
-    there is no such folder; raises SystemExit when a given folder lacks train.txt or valid.txt.
+    ``None`` picks ``../shared/data/wikitext-2`` beside the repository when it exists. Returns None when there
+    is no such folder; raises SystemExit when a given folder lacks train.txt or valid.txt.
     """
     folder = Path(data_dir) if data_dir else DEFAULT_DATA_DIR
     if not folder.is_dir():

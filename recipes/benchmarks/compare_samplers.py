@@ -1,41 +1,40 @@
 """The paper's language-model table: test perplexity of every sampler on WikiText-2, with recipes/wikitext2.py.
 
-Each sampler trains the paper's transformer (GPT-2 architecture, 2 layers, 4 heads, d 200, ff 1024,
-50 tokens per block, 20 negatives, K = 32; the recipe's defaults) with ``recipes/wikitext2.py``, in
-``--out/<sampler>`` (and ``--out/<sampler>-wallclock``), and is compared
+Each sampler trains the paper's transformer (GPT-2 architecture, 2 layers, 4 heads, d 200, ff 1024, 50 tokens per
+block, 20 negatives, K = 32; the recipe's defaults) with ``recipes/wikitext2.py``, in ``--out/<sampler>`` (and
+``--out/<sampler>-wallclock``), and is compared
 
-* at **equal epochs** (``--epochs``, default 1): exact full-softmax test perplexity after the same
-  number of passes over the data;
-* at **equal wall-clock**: every sampler trains for as long as ``full`` needed for those epochs
-  (its training time without evaluations): ``--max_steps`` = that budget / the sampler's own
-  measured time per step in the equal-epochs run.
+* at **equal epochs** (``--epochs``, default 1): exact full-softmax test perplexity after the same number of passes
+  over the data;
+* at **equal wall-clock**: every sampler trains for as long as ``full`` needed for those epochs (its training time
+  without evaluations): ``--max_steps`` = that budget / the sampler's own measured time per step in the equal-epochs
+  run.
 
-The adaptive samplers are rebuilt from the current head weight ``--refreshes_per_epoch`` times per
-epoch (the recipe's ``--refresh_every_steps``): the recipe's default refresh at each epoch start never
-happens in a 1-epoch run, which would leave the index built on the random initial weights (and the
-learned codebooks of ``midx-rq-learned`` unused, as they are installed at refreshes). Refresh time
-counts as training time.
+The adaptive samplers are rebuilt from the current head weight ``--refreshes_per_epoch`` times per epoch (the recipe's
+``--refresh_every_steps``): the recipe's default refresh at each epoch start never happens in a 1-epoch run, which
+would leave the index built on the random initial weights (and the learned codebooks of ``midx-rq-learned`` unused, as
+they are installed at refreshes). Refresh time counts as training time.
 
-The validation perplexity is evaluated ``--evals_per_run`` times per run and plotted against the
-training time (evaluation time subtracted, read from the Trainer's log history). The paper's figures
-(Transformer on WikiText-2, 100 epochs with early stopping) are quoted beside ours; at 1 epoch ours
-are far from converged, so compare the ordering, not the values.
+The validation perplexity is evaluated ``--evals_per_run`` times per run and plotted against the training time
+(evaluation time subtracted, read from the Trainer's log history). The paper's figures (Transformer on WikiText-2, 100
+epochs with early stopping) are quoted beside ours; at 1 epoch ours are far from converged, so compare the ordering,
+not the values.
 
-Seeds: ``--seeds N`` repeats every equal-epochs run with seeds ``--seed`` .. ``--seed + N - 1`` and
-reports the mean and sample standard deviation of the exact test perplexity (the equal-wall-clock
-runs and the plotted curves use the first seed).
+Seeds: ``--seeds N`` repeats every equal-epochs run with seeds ``--seed`` .. ``--seed + N - 1`` and reports the mean
+and sample standard deviation of the exact test perplexity (the equal-wall-clock runs and the plotted curves use the
+first seed).
 
-Profiles (``--profile``) fix the settings of issue 9's quality benchmark: ``cpu-quick`` (400 steps of
-the paper's model, the issue's acceptance run, at equal steps; equal wall-clock off) and ``gpu-3epochs``
-(3 epochs, 3 seeds, equal wall-clock on). Both compare the full softmax, the static unigram proposal,
-midx-rq as it was before issue 9 (``midx-rq-paper``: exact positive, no mixture), the current default
-``midx-rq``, each new variant, and the non-sampling ``adaptive-softmax`` (torch's
-``nn.AdaptiveLogSoftmaxWithLoss`` on the same model, trained by ``adaptive_softmax.py``).
+Profiles (``--profile``) fix the settings of issue 9's quality benchmark: ``cpu-quick`` (400 steps of the paper's
+model, the issue's acceptance run, at equal steps; equal wall-clock off) and ``gpu-3epochs`` (3 epochs, 3 seeds, equal
+wall-clock on). Both compare the full softmax, the static unigram proposal, midx-rq as it was before issue 9
+(``midx-rq-paper``: exact positive, no mixture), the current default ``midx-rq`` and each new variant. (The
+non-sampling adaptive-softmax row of the README was trained by ``adaptive_softmax.py``, retired after commit 9426078,
+where ``--samplers adaptive-softmax`` still runs it.)
 
-Data: ``--data_dir`` (train.txt, valid.txt, test.txt), default ``../shared/data/wikitext-2`` beside the
-repository; without it (and in ``--quick`` unless ``--data_dir`` is given), the small WikiText-2 sample
-shipped in recipes/data (said in the report). ``--quick`` also shrinks the model (d 32, 1 layer), the
-blocks (20 tokens) and the data (64 training blocks, 16 evaluation blocks), and runs in-process.
+Data: ``--data_dir`` (train.txt, valid.txt, test.txt), default ``../shared/data/wikitext-2`` beside the repository;
+without it (and in ``--quick`` unless ``--data_dir`` is given), the small WikiText-2 sample shipped in recipes/data
+(said in the report). ``--quick`` also shrinks the model (d 32, 1 layer), the blocks (20 tokens) and the data (64
+training blocks, 16 evaluation blocks), and runs in-process.
 
 Run: ``python recipes/benchmarks/compare_samplers.py --out bench-out [--quick] [--epochs 1]``.
 """
@@ -67,15 +66,11 @@ PAPER_PPL = {
     "midx-pq": 199.7429, "midx-rq": 180.9055,
     "midx-rq-paper": 180.9055,  # the paper's midx-rq itself: exact positive, no mixture
 }  # fmt: skip
-#: The non-sampling baseline, trained by adaptive_softmax.py instead of the recipe.
-ADAPTIVE = "adaptive-softmax"
 #: --profile presets (issue 9): the rows and the settings of the quality benchmark.
 PROFILE_SAMPLERS = ("full", "unigram", "midx-rq-paper", "midx-rq", "midx-rq-nomix", "midx-rq-frequency",
-                    "midx-rq-frequency-mix", "midx-rq-head2k", ADAPTIVE)  # fmt: skip
-PROFILES = {
-    "cpu-quick": dict(max_steps=400, seeds=1, wall_clock="off"),
-    "gpu-3epochs": dict(epochs=3.0, seeds=3, wall_clock="on"),
-}
+                    "midx-rq-frequency-mix", "midx-rq-head2k")  # fmt: skip
+PROFILES = {"cpu-quick": dict(max_steps=400, seeds=1, wall_clock="off"),
+            "gpu-3epochs": dict(epochs=3.0, seeds=3, wall_clock="on")}
 KEEP_MODELS = ("full", "midx-rq")  # their weights stay (e.g. for bench_kl.py --model_dir); others are deleted
 QUICK_OVERRIDES = "n_embd=32,n_layer=1,n_head=2,n_inner=64"
 SMOKE_OVERRIDES = "n_embd=16,n_layer=1,n_head=2,n_inner=32"
@@ -88,8 +83,7 @@ def parse_args(argv=None):
     p.add_argument("--data_dir", default=None,
                    help="folder with train.txt, valid.txt, test.txt (default ../shared/data/wikitext-2 beside the repository)")  # fmt: skip
     p.add_argument("--samplers", nargs="+", default=list(DEFAULT_SAMPLERS),
-                   help=f"'full', any hf_midx sampler, a variant (sampler + flags: {', '.join(common.VARIANTS)}) "
-                   f"or '{ADAPTIVE}' (torch's AdaptiveLogSoftmaxWithLoss, no sampling)")  # fmt: skip
+                   help=f"'full', any hf_midx sampler or a variant (sampler + flags: {', '.join(common.VARIANTS)})")
     p.add_argument("--epochs", type=float, default=1.0, help="epochs of the equal-epochs comparison")
     p.add_argument("--max_steps", type=int, default=None, help="train every sampler for this many steps instead of --epochs (equal steps)")
     p.add_argument("--seeds", type=int, default=1,
@@ -128,9 +122,8 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------------------- running the recipe
-def recipe_argv(
-    args, files, out_dir: Path, sampler: str, *, epochs=None, max_steps=None, every=1, refresh_every=0
-) -> list[str]:
+def recipe_argv(args, files, out_dir: Path, sampler: str, *, epochs=None, max_steps=None, every=1, refresh_every=0
+                ) -> list[str]:
     name = common.VARIANTS[sampler][0] if sampler in common.VARIANTS else sampler
     argv = ["--train_file", str(files["train"]), "--validation_file", str(files["validation"])]
     argv += ["--test_file", str(files["test"])] if "test" in files else []
@@ -139,8 +132,6 @@ def recipe_argv(
              "--seed", str(args.seed), "--disable_tqdm", "true", "--save_strategy", "no", "--eval_strategy", "steps",
              "--eval_steps", str(every), "--logging_steps", str(every), "--refresh_every_steps", str(refresh_every)]  # fmt: skip
     argv += ["--num_train_epochs", str(epochs)] if epochs is not None else ["--max_steps", str(max_steps)]
-    if sampler == ADAPTIVE:
-        return _adaptive_argv(args, argv, every)
     if args.quick:
         argv += [*_quick_argv(args), "--per_device_eval_batch_size", "16", "--logging_first_step", "false"]
     # The variant's flags come last, so that they win over the shared ones.
@@ -149,63 +140,32 @@ def recipe_argv(
 
 
 def _quick_argv(args) -> list[str]:
-    """--quick's model, blocks and data, for the recipe and adaptive_softmax.py alike."""
+    """--quick's model, blocks and data."""
     train, evals = (16, 4) if args.smoke else (64, 16)
     return ["--config_overrides", SMOKE_OVERRIDES if args.smoke else QUICK_OVERRIDES, "--seq_len", "20",
             "--max_train_samples", str(train), "--max_eval_samples", str(evals)]  # fmt: skip
 
 
-def _adaptive_argv(args, recipe: list[str], every: int) -> list[str]:
-    """adaptive_softmax.py's flags from the recipe's: the data, output, seed, length and batch."""
-    keep = {
-        "--train_file", "--validation_file", "--test_file", "--output_dir", "--seed", "--num_train_epochs",
-        "--max_steps", "--per_device_train_batch_size",
-    }  # fmt: skip
-    argv = []
-    for flag, value in zip(recipe[::2], recipe[1::2]):
-        if flag in keep:
-            argv += [flag, value]
-    total = int(dict(zip(recipe[::2], recipe[1::2])).get("--max_steps", 0)) or None
-    argv += ["--evals", str(args.evals_per_run if total is None else max(1, total // max(every, 1)))]
-    return argv + (_quick_argv(args) if args.quick else [])
-
-
-def run_recipe(argv: list[str], out_dir: Path, launcher: str, threads: int | None = None, script: str = "wikitext2") -> dict:
+def run_recipe(argv: list[str], out_dir: Path, launcher: str, threads: int | None = None) -> dict:
     """One recipe run; returns its results.json, log history, wall time and error (None when it worked).
 
     ``threads`` caps the subprocess's intra-op threads (for runs that share the machine)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stale = out_dir / "results.json"
-    if stale.exists():
-        stale.unlink()
+    stale.unlink(missing_ok=True)
     print(f"\n$ wikitext2.py {' '.join(shlex.quote(a) for a in argv)}", flush=True)
-    error = None
-    t0 = time.perf_counter()
+    error, t0 = None, time.perf_counter()
     if launcher == "subprocess":
         env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        path = common.RECIPES_DIR / "wikitext2.py" if script == "wikitext2" else Path(__file__).with_name(script + ".py")
         with open(out_dir / "recipe.log", "w") as log:
-            proc = subprocess.run(
-                [sys.executable, str(path), *argv],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=common.REPO_ROOT,
-                env=env,
-            )
+            proc = subprocess.run([sys.executable, str(common.RECIPES_DIR / "wikitext2.py"), *argv], stdout=log,
+                                  stderr=subprocess.STDOUT, cwd=common.REPO_ROOT, env=env)  # fmt: skip
         if proc.returncode != 0:
             tail = (out_dir / "recipe.log").read_text().strip().splitlines()[-1:] or [""]
             error = f"exit status {proc.returncode}: {tail[0][:200]} (log: {out_dir / 'recipe.log'})"
     else:
         try:
-            if script == "wikitext2":
-                common.import_recipe("wikitext2").main(argv)
-            else:
-                if __package__:
-                    from . import adaptive_softmax  # noqa: PLC0415
-                else:
-                    import adaptive_softmax  # noqa: PLC0415
-
-                adaptive_softmax.main(argv)
+            common.import_recipe("wikitext2").main(argv)
         except SystemExit as err:
             error = f"exit {err.code}"
         except Exception as err:  # noqa: BLE001 - one sampler failing must not stop the comparison
@@ -268,10 +228,7 @@ def _ppl(loss: float) -> float:
 
 def summarize(run: dict) -> dict:
     res = run["results"]
-    if res is not None and "curve" in res:  # adaptive_softmax.py measures its own curve
-        curve, train_time = res["curve"], res.get("train_runtime_s")
-    else:
-        curve, train_time = training_curve(run["history"], res)
+    curve, train_time = training_curve(run["history"], res)
     out = {"error": run["error"], "wall_s": run["wall_s"], "curve": curve, "train_time_s": train_time}
     if res:
         keys = ("test_perplexity", "valid_perplexity", "test_loss", "valid_loss", "global_step", "epoch",
@@ -290,10 +247,8 @@ def main(argv=None) -> dict:
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag} must be >= 1, got {getattr(args, flag)}.")
     if args.parallel > 1 and (args.wall_clock == "on" or args.launcher == "inprocess"):
-        raise SystemExit(
-            "--parallel > 1 runs recipe subprocesses side by side, whose timings are not comparable: "
-            "add --wall_clock off (and do not pass --launcher inprocess)."
-        )
+        raise SystemExit("--parallel > 1 runs recipe subprocesses side by side, whose timings are not comparable: "
+                         "add --wall_clock off (and do not pass --launcher inprocess).")
     if args.device == "cuda":
         print("compare_samplers runs the recipe, which picks its device itself (the Trainer uses a GPU when present).")
     q = args.quick
@@ -317,13 +272,13 @@ def main(argv=None) -> dict:
             print(data_note)
     if args.max_steps is not None and args.max_steps < 1:
         raise SystemExit(f"--max_steps must be >= 1, got {args.max_steps}.")
-    known = {"full", ADAPTIVE, *common.VARIANTS, *_sampler_names()}
+    import hf_midx  # noqa: PLC0415
+
+    known = {"full", *common.VARIANTS, *hf_midx.SAMPLERS}
     unknown = [s for s in args.samplers if s not in known]
     if unknown:
-        raise SystemExit(
-            f"unknown sampler(s) {unknown}; choose from full, {ADAPTIVE}, {', '.join(common.VARIANTS)}, "
-            f"{', '.join(_sampler_names())}."
-        )
+        raise SystemExit(f"unknown sampler(s) {unknown}; choose from full, {', '.join(common.VARIANTS)}, "
+                         f"{', '.join(sorted(hf_midx.SAMPLERS))}.")
     stray = sorted(set(args.wall_clock_samplers or ()) - set(args.samplers))
     if stray:
         raise SystemExit(f"--wall_clock_samplers {stray} are not in --samplers; add them there too.")
@@ -351,8 +306,7 @@ def main(argv=None) -> dict:
         evals_per_run=args.evals_per_run, wall_clock=args.wall_clock, wall_clock_budget_s=args.wall_clock_budget_s,
         wall_clock_samplers=args.wall_clock_samplers, launcher=launcher, parallel=args.parallel,
         refreshes_per_epoch=args.refreshes_per_epoch, recipe_args=args.recipe_args, model=model,
-        refresh_every_steps=refresh_every,
-    )  # fmt: skip
+        refresh_every_steps=refresh_every)  # fmt: skip
 
     equal_epochs, wall = {}, {}
     order = ["full"] + [s for s in args.samplers if s != "full"] if "full" in args.samplers else list(args.samplers)
@@ -364,8 +318,7 @@ def main(argv=None) -> dict:
             argv = recipe_argv(args, files, run_dir, sampler, epochs=None if args.max_steps else args.epochs,
                                max_steps=args.max_steps, every=every, refresh_every=refresh_every)  # fmt: skip
             argv[argv.index("--seed") + 1] = str(args.seed + k)
-            script = "adaptive_softmax" if sampler == ADAPTIVE else "wikitext2"
-            per_seed.append({**summarize(run_recipe(argv, run_dir, launcher, threads, script)), "seed": args.seed + k})
+            per_seed.append({**summarize(run_recipe(argv, run_dir, launcher, threads)), "seed": args.seed + k})
             _prune(run_dir, sampler, args.keep_models)
         equal_epochs[sampler] = aggregate_seeds(per_seed)
         _print_run(sampler, equal_epochs[sampler])
@@ -395,10 +348,9 @@ def main(argv=None) -> dict:
                 continue
             steps = max(1, round(budget / per_step))
             run_dir = out / f"{sampler}-wallclock"
-            script = "adaptive_softmax" if sampler == ADAPTIVE else "wikitext2"
             argv = recipe_argv(args, files, run_dir, sampler, max_steps=steps, every=max(1, steps // args.evals_per_run),
                                refresh_every=refresh_every)  # fmt: skip
-            wall[sampler] = {**summarize(run_recipe(argv, run_dir, launcher, script=script)), "max_steps": steps}
+            wall[sampler] = {**summarize(run_recipe(argv, run_dir, launcher)), "max_steps": steps}
             _prune(run_dir, sampler + "-wallclock", args.keep_models)
             _print_run(sampler + " (wall clock)", wall[sampler])
     elif args.wall_clock == "on":
@@ -433,12 +385,6 @@ def _mean_sd(run: dict) -> str:
     return _f(run["test_ppl_mean"]) + ("" if sd is None else f" ± {_f(sd)}")
 
 
-def _sampler_names():
-    import hf_midx  # noqa: PLC0415
-
-    return sorted(hf_midx.SAMPLERS)
-
-
 def _prune(run_dir: Path, label: str, keep: bool) -> None:
     if keep or label in KEEP_MODELS:
         return
@@ -452,11 +398,8 @@ def _print_run(label: str, s: dict) -> None:
     if s.get("error"):
         print(f"{label}: failed ({s['error']})")
         return
-    print(
-        f"{label}: test ppl {_f(s.get('test_perplexity'))}, valid ppl {_f(s.get('valid_perplexity'))}, "
-        f"{s.get('global_step')} steps, training {_f(s.get('train_time_s'), 0)} s",
-        flush=True,
-    )
+    print(f"{label}: test ppl {_f(s.get('test_perplexity'))}, valid ppl {_f(s.get('valid_perplexity'))}, "
+          f"{s.get('global_step')} steps, training {_f(s.get('train_time_s'), 0)} s", flush=True)
 
 
 def _f(x, digits: int = 1) -> str:
@@ -464,22 +407,19 @@ def _f(x, digits: int = 1) -> str:
 
 
 def _rows(env, equal_epochs, wall):
-    return [common.row(env, op="wikitext2_lm", provider=sampler, metric="test_perplexity", unit="ppl", x_name="setting",
-                       x_value=setting, value=s["test_perplexity"], train_time_s=s.get("train_time_s"),
-                       steps=s.get("global_step"))
-            for setting, runs in (("equal_epochs", equal_epochs), ("equal_wall_clock", wall))
-            for sampler, s in runs.items() if s.get("test_perplexity") is not None]  # fmt: skip
+    results = [{**s, "sampler": sampler, "setting": setting, "steps": s.get("global_step")}
+               for setting, runs in (("equal_epochs", equal_epochs), ("equal_wall_clock", wall)) for sampler, s in runs.items()]
+    return common.rows(env, results, op="wikitext2_lm", provider="sampler", x_name="setting", x="setting",
+                       metrics={"test_perplexity": ("test_perplexity", "ppl")}, extra=("train_time_s", "steps"))
 
 
 def render_markdown(env, settings, equal_epochs, wall, budget, order):
     parts = [f"**Data:** {settings['data_note']}.\n"] if settings["data_note"] else []
     equal = f"Equal steps: {settings['max_steps']} each. " if settings.get("max_steps") else f"Equal epochs: {settings['epochs']:g} epoch(s) each. "
-    parts.append(
-        "Exact (full-softmax) perplexity (the adaptive softmax's own, which is normalized). " + equal
-        + f"Seeds {settings['seeds']}: test perplexity as mean ± sample sd. Equal wall-clock (first seed): "
-        f"every sampler trains for {_f(budget, 0)} s, what `full` needed (training time without evaluation). "
-        "The paper trained 100 epochs with early stopping: compare the ordering, not the values.\n"
-    )  # fmt: skip
+    parts.append("Exact (full-softmax) perplexity. " + equal
+                 + f"Seeds {settings['seeds']}: test perplexity as mean ± sample sd. Equal wall-clock (first seed): "
+                 f"every sampler trains for {_f(budget, 0)} s, what `full` needed (training time without evaluation). "
+        "The paper trained 100 epochs with early stopping: compare the ordering, not the values.\n")  # fmt: skip
     full = equal_epochs.get("full", {})
     table = [(s, equal_epochs.get(s, {}), wall.get(s, {})) for s in order]
     parts.append(common.markdown_table(table, [
@@ -491,8 +431,7 @@ def render_markdown(env, settings, equal_epochs, wall, budget, order):
         ("test ppl, equal wall-clock", lambda t: (t[2].get("error") and "failed") or _f(t[2].get("test_perplexity"))),
         ("steps (epochs)", lambda t: "-" if not t[2] or t[2].get("global_step") is None
          else f"{t[2]['global_step']} ({_f(t[2].get('epoch'), 2)} ep)"),
-        ("training s ", lambda t: _f(t[2].get("train_time_s"), 0)),
-    ]))  # fmt: skip
+        ("training s ", lambda t: _f(t[2].get("train_time_s"), 0))]))  # fmt: skip
     errors = [(s, r["error"]) for runs in (equal_epochs, wall) for s, r in runs.items() if r.get("error")]
     if errors:
         parts.append("\nFailed runs:\n")

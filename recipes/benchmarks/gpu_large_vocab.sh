@@ -2,7 +2,7 @@
 # The synthetic-corpus seed table of recipes/large_vocab.py on one GPU, in one call: the recipe's defaults
 # (V = 100,000, 10,000 steps) for the default MIDX head, unigram with the same head and M, and the full
 # softmax, SEEDS seeds each, all as parallel processes on the one GPU (the model is small: the GPU would
-# sit mostly idle with one run), then synthetic_curves.py's table and curves of them. On a CPU these runs
+# sit mostly idle with one run), then their table and curves (`recipe_runs.py curves`). On a CPU these runs
 # take 40-60 minutes each for the sampled heads and hours for the full softmax.
 #
 #   bash recipes/benchmarks/gpu_large_vocab.sh                  # RESULTS=gpu-out/large_vocab, SEEDS=3
@@ -51,7 +51,7 @@ finished=()
 for dir in "$RESULTS"/runs/*/; do [ -f "$dir/results.json" ] && finished+=("$dir"); done
 echo "runs finished: ${#finished[@]} of ${#pids[@]}"
 if [ "${#finished[@]}" -gt 0 ]; then
-  MPLBACKEND=Agg "$PYTHON" recipes/benchmarks/synthetic_curves.py "${finished[@]}" --out "$RESULTS" 2>&1 \
+  MPLBACKEND=Agg "$PYTHON" recipes/benchmarks/recipe_runs.py curves "${finished[@]}" --out "$RESULTS" 2>&1 \
     | tee "$RESULTS/synthetic_curves.log" || status=1
 fi
 # Without the models (about 50 MB each at V = 100,000): the device tool returns files of at most 16 MiB.

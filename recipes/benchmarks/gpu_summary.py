@@ -18,8 +18,7 @@ KERNELS = ("cce", "liger")
 def head_table(results: list[dict]) -> list[str]:
     out = [
         "| head (V x D) | HF | CCE | Liger | default, per-query | default, shared pool | per-query vs faster kernel | shared vs faster kernel | per-query memory vs CCE |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for v, name in SHAPES.items():
         rows = {r["case"]: r for r in results if r["V"] == v and "ms" in r}
         if not rows:
@@ -36,10 +35,8 @@ def head_table(results: list[dict]) -> list[str]:
 
         mem = "-" if pq is None or "cce" not in rows else f"{pq['peak_bytes'] / rows['cce']['peak_bytes']:.2f}x"
         d = next(iter(rows.values()))["D"]
-        out.append(
-            f"| {name} ({v:,} x {d}) | {ms(rows.get('hf'))} | {ms(rows.get('cce'))} | {ms(rows.get('liger'))} "
-            f"| {ms(pq)} | {ms(sh)} | {vs(pq)} | {vs(sh)} | {mem} |"
-        )
+        out.append(f"| {name} ({v:,} x {d}) | {ms(rows.get('hf'))} | {ms(rows.get('cce'))} | {ms(rows.get('liger'))} "
+                   f"| {ms(pq)} | {ms(sh)} | {vs(pq)} | {vs(sh)} | {mem} |")
     return out
 
 
@@ -50,10 +47,8 @@ def fewer_negatives_table(results: list[dict], key: str, speed: str) -> list[str
     if not extra:
         return []
     faster = min if speed == "ms" else max
-    out = [
-        "| shape | case | time or throughput | peak memory | vs default M | vs fastest exact |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
+    out = ["| shape | case | time or throughput | peak memory | vs default M | vs fastest exact |",
+           "| --- | --- | --- | --- | --- | --- |"]
     for r in extra:
         same = [x for x in results if x[key] == r[key] and speed in x]
         default = next((x for x in same if x["case"] in ("midx-default", "midx-default/per-query")), None)
@@ -74,10 +69,8 @@ def fewer_negatives_table(results: list[dict], key: str, speed: str) -> list[str
 
 
 def e2e_table(results: list[dict]) -> list[str]:
-    out = [
-        "| model | full softmax (HF) | CCE | Liger | default | default vs best exact |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
+    out = ["| model | full softmax (HF) | CCE | Liger | default | default vs best exact |",
+           "| --- | --- | --- | --- | --- | --- |"]
     for setting in dict.fromkeys(r["setting"] for r in results):
         rows = {r["case"]: r for r in results if r["setting"] == setting and "tokens_per_s" in r}
 

@@ -1,10 +1,10 @@
 """Where the time of one sampled-head step goes: a torch.profiler table of the top ops.
 
-The head is ``MidxLMHead`` as ``MidxConfig()`` configures it (every default but the seed), over a
-random (V, D) weight, on T random hidden states with Zipfian labels; the step is
-``loss_from_hidden`` forward + backward, the same step ``bench_head.py`` times as ``midx-default``.
-After warm-up steps, ``--steps`` steps run under ``torch.profiler`` (CPU, plus CUDA on a GPU), and
-the ops are listed by self time. Writes ``OUT/profile_head.md`` and ``OUT/profile_head.json``.
+The head is ``MidxLMHead`` as ``MidxConfig()`` configures it (every default but the seed), over a random (V, D)
+weight, on T random hidden states with Zipfian labels; the step is loss forward + backward, the same
+step ``bench_head.py`` times as ``midx-default``. After warm-up steps, ``--steps`` steps run under ``torch.profiler``
+(CPU, plus CUDA on a GPU), and the ops are listed by self time. Writes ``OUT/profile_head.md`` and
+``OUT/profile_head.json``.
 
 Run: ``python recipes/benchmarks/profile_head.py --out bench-out [--device cuda] [--model gemma3-270m]``.
 """
@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
 
     def step():
         hidden.grad = weight.grad = None
-        head.loss_from_hidden(hidden, None, shift_labels=labels).backward()
+        common.head_loss(head, hidden, labels).backward()
 
     for _ in range(3):
         step()
