@@ -361,6 +361,7 @@ def main(argv=None) -> dict:
                          wall_clock_budget_s=budget, equal_epochs=equal_epochs, equal_wall_clock=wall,
                          paper_test_perplexity=PAPER_PPL, rows=_rows(env, equal_epochs, wall))  # fmt: skip
 
+
 def aggregate_seeds(runs: list[dict]) -> dict:
     """One row from the runs of several seeds: the first seed's fields (curve, timings) plus the mean and
     sample standard deviation of the test perplexity and the mean tokens/s over the seeds that worked."""
@@ -395,11 +396,9 @@ def _prune(run_dir: Path, label: str, keep: bool) -> None:
 
 
 def _print_run(label: str, s: dict) -> None:
-    if s.get("error"):
-        print(f"{label}: failed ({s['error']})")
-        return
-    print(f"{label}: test ppl {_f(s.get('test_perplexity'))}, valid ppl {_f(s.get('valid_perplexity'))}, "
-          f"{s.get('global_step')} steps, training {_f(s.get('train_time_s'), 0)} s", flush=True)
+    print(f"{label}: failed ({s['error']})" if s.get("error") else f"{label}: test ppl {_f(s.get('test_perplexity'))}, "
+          f"valid ppl {_f(s.get('valid_perplexity'))}, {s.get('global_step')} steps, training "
+          f"{_f(s.get('train_time_s'), 0)} s", flush=True)
 
 
 def _f(x, digits: int = 1) -> str:
