@@ -189,7 +189,7 @@ def run_size(args, device, dtype, t, d, v, warmup, repeats, kernels, builds):
         midx = name.startswith("midx")
         opts = {"kmeans_iters": args.kmeans_iters, "kmeans_backend": args.kmeans_backend} if midx else {}
         t0 = time.perf_counter()
-        smp = hf_midx.build_sampler(name, weight.detach(), codebook_size=k, class_counts=counts, seed=args.seed, **opts)
+        smp = common.build_sampler(name, weight.detach(), counts, k, args.seed, **opts)
         common.sync(device)
         if midx:
             builds.append({"V": v, "D": d, "sampler": name, "build_s": time.perf_counter() - t0, "K": k, **opts})

@@ -12,7 +12,7 @@ On two sets of class embeddings and queries --
 
 every sampler of ``hf_midx.SAMPLERS`` is measured by
 
-* the coverage diagnostics of ``hf_midx.diagnostics.proposal_diagnostics`` (mean over S queries): KL(Q || P), KL(P ||
+* the coverage diagnostics of ``hf_midx.proposal_diagnostics`` (mean over S queries): KL(Q || P), KL(P ||
   Q), the effective sample size of the importance weights as a fraction of M (analytic, 1 / E_Q[(p/q)^2], and measured
   on M draws) and P's mass on classes with p/q > 10 (with an exact head, P is the softmax over the tail and the head's
   mass is reported);
@@ -46,7 +46,6 @@ import torch
 
 import hf_midx
 from hf_midx import LearnableCodebooks
-from hf_midx.diagnostics import proposal_diagnostics
 
 if __package__:
     from . import common
@@ -178,7 +177,8 @@ def train_model(args, out_dir: Path, files: dict) -> str:
 def measure(smp, src: dict, s_idx, g_idx, full_grads, args) -> tuple[dict, torch.Tensor]:
     weight, queries, labels = src["weight"], src["queries"], src["labels"]
     q = queries[s_idx]
-    rec = {key: float(value) for key, value in proposal_diagnostics(smp, q, weight, num_samples=args.num_samples).items()}
+    diagnostics = hf_midx.proposal_diagnostics(smp, q, weight, num_samples=args.num_samples)
+    rec = {key: float(value) for key, value in diagnostics.items()}
     rec.update(grad_bias(smp, weight, queries[g_idx], labels[g_idx], full_grads, args))
     return rec, smp.full_log_prob(q).exp().mean(0)
 

@@ -499,7 +499,8 @@ def build_variant(name: str, weight: torch.Tensor, counts: torch.Tensor, **chang
 
 def build_sampler(name: str, weight, counts, k: int, seed: int, built: dict | None = None, **options):
     """A sampler or variant by name over (V, D) ``weight`` with K = ``k``; ``midx-exact`` reuses midx-rq's index
-    from ``built`` when it is there (no second k-means); ``options`` go to MIDX samplers only."""
+    from ``built`` when it is there (no second k-means). ``options`` go to the samplers that take them; a sampler
+    name is the plain proposal (``mix_weight`` 0, whatever build_sampler's default): the variants name the rest."""
     import hf_midx  # noqa: PLC0415
 
     if name in VARIANTS:
@@ -508,7 +509,7 @@ def build_sampler(name: str, weight, counts, k: int, seed: int, built: dict | No
         smp = hf_midx.build_sampler(name, weight, codebook_size=k, seed=seed, kmeans_iters=0)
         smp.load_state_dict({**built["midx-rq"].state_dict(), "embeddings": weight})
         return smp
-    opts = options if name.startswith("midx") else {}
+    opts = {key: v for key, v in {"mix_weight": 0.0, **options}.items() if key in hf_midx.SAMPLERS[name].options}
     return hf_midx.build_sampler(name, weight, codebook_size=k, class_counts=counts, seed=seed, **opts)
 
 
