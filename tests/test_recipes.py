@@ -627,9 +627,9 @@ def test_a_stop_while_a_checkpoint_is_saved_removes_it_and_resumes_from_the_one_
     session = next(e["train_runtime"] for e in state["log_history"] if "train_loss" in e)
     assert earlier > 0 and abs(results["train_runtime_s"] - (earlier + session)) < 1.0, (results, earlier, session)
     assert results["train_tokens_seen"] == 8 * 8 * 17  # and its tokens: 8 steps of 8 blocks of 17
-    from recipes.benchmarks import synthetic_curves
+    from recipes.benchmarks import recipe_runs
 
-    run = synthetic_curves.load_run(out)
+    run = recipe_runs.load_run(out)
     assert run["tokens"] == 8 * 8 * 17 and run["train_seconds"] == results["train_runtime_s"]
     seconds = results["train_runtime_s"] - results["eval_during_training_s"]  # the whole run's, without evaluation
     assert math.isclose(run["tokens_per_second"], 8 * 8 * 17 / seconds)
@@ -867,10 +867,10 @@ def test_sigterm_before_the_first_checkpoint_leaves_no_output_folder(corpus, tmp
 def test_synthetic_curves_tables_wikitext2_runs_against_the_full_softmax(trained, tmp_path):
     """WikiText-2 runs: perplexities as they are (no optimum), the seed from results.json, and the difference
     of each configuration's mean to the full softmax's."""
-    from recipes.benchmarks import synthetic_curves
+    from recipes.benchmarks import recipe_runs
 
     results = {s: json.loads((trained[s][0] / "results.json").read_text()) for s in ("full", "midx-rq")}
-    payload = synthetic_curves.main([str(trained["full"][0]), str(trained["midx-rq"][0]),
+    payload = recipe_runs.main(["curves", str(trained["full"][0]), str(trained["midx-rq"][0]),
                                      "--out", str(tmp_path / "report"), "--no_plots"])  # fmt: skip
     vocab = results["full"]["data"]["vocab_size"]
     rows = {row["config"].split()[0]: row for row in payload["summary"][f"wikitext2_{vocab}"]}
@@ -887,7 +887,7 @@ def test_synthetic_curves_tables_wikitext2_runs_against_the_full_softmax(trained
 
 def test_synthetic_curves_wall_clock_leaves_out_evaluation_and_carries_a_resumed_runs_sessions():
     """The Trainer's train_runtime at a log counts from its own session's start, evaluations included."""
-    from recipes.benchmarks import synthetic_curves
+    from recipes.benchmarks import recipe_runs
 
     history = [
         {"step": 250, "loss": 6.0, "train_runtime": 400.0},
@@ -899,16 +899,16 @@ def test_synthetic_curves_wall_clock_leaves_out_evaluation_and_carries_a_resumed
         {"step": 1250, "loss": 3.5, "train_runtime": 1070.0},
         {"step": 1250, "train_loss": 5.0, "train_runtime": 1075.0},  # the session's summary: not a training log
     ]
-    steps, seconds = synthetic_curves.wall_clock(history)
+    steps, seconds = recipe_runs.wall_clock(history)
     assert steps == [0, 250, 500, 750, 1000, 1250] and seconds == [0.0, 400.0, 800.0, 1150.0, 1500.0, 1850.0]
     # One session: evaluations come off the logs after them.
     one = [history[0], history[1], history[2], {"step": 750, "loss": 4.5, "train_runtime": 1210.0}]
-    assert synthetic_curves.wall_clock(one) == ([0, 250, 500, 750], [0.0, 400.0, 800.0, 1200.0])
+    assert recipe_runs.wall_clock(one) == ([0, 250, 500, 750], [0.0, 400.0, 800.0, 1200.0])
 
 
-def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path, monkeypatch):
-    """The reports of issue 16 on real (tiny) runs: paired differences, the exact KL split, purity, held-out scores."""
-    from recipes.benchmarks import synthetic_coverage, synthetic_curves
+def test_recipe_runs_read_large_vocab_runs(tmp_path, monkeypatch):
+    """recipe_runs.py curves and heldout on real (tiny) runs: paired differences and held-out scores."""
+    from recipes.benchmarks import recipe_runs
 
     runs = {}
     for sampler in ("midx-rq", "unigram"):
@@ -922,7 +922,7 @@ def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path, monkeypat
         check_ok(result)
         runs[sampler] = json.loads((out / "results.json").read_text())
 
-    payload = synthetic_curves.main([str(tmp_path / "midx-rq_s3"), str(tmp_path / "unigram_s3"),
+    payload = recipe_runs.main(["curves", str(tmp_path / "midx-rq_s3"), str(tmp_path / "unigram_s3"),
                                      "--out", str(tmp_path / "report"), "--no_plots"])  # fmt: skip
     rows = {row["config"].split()[0]: row for row in payload["summary"]["2000"]}
     assert set(rows) == {"midx-rq", "unigram"} and rows["midx-rq"]["seeds"] == [3]
@@ -935,52 +935,17 @@ def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path, monkeypat
     assert [len(r["evals"]) for r in payload["runs"]] == [2, 2]  # steps 3 and 6
     assert (tmp_path / "report" / "synthetic_curves.md").is_file()
 
-    report = synthetic_coverage.main([str(tmp_path / "midx-rq_s3"), "--out", str(tmp_path / "report"),
-                                      "--contexts", "16", "--exact_head", "64", "--proposals", "unigram",
-                                      "midx-rq K=64", "midx-rq K=64 mix=0.5 (default)"])  # fmt: skip
-    by_name = {row["proposal"]: row for row in report["rows"]}
-    plain = by_name["midx-rq K=64"]
-    # The split is exact: bucket stage + last stage = KL(P || Q) of the MIDX proposal without a mixture.
-    assert math.isclose(plain["kl_bucket_stage"] + plain["kl_last_stage"], plain["kl_pq"], rel_tol=1e-3, abs_tol=1e-5)
-    assert plain["kl_last_stage"] >= -1e-6 and plain["kl_bucket_stage"] >= -1e-6
-    # An exact last stage leaves only the bucket stage's KL, and covers P at least as well.
-    assert math.isclose(plain["exact_last_stage_kl_pq"], plain["kl_bucket_stage"], rel_tol=1e-3, abs_tol=1e-5)
-    assert plain["exact_last_stage_ess"] >= plain["ess"] - 1e-6
-    assert 0 < plain["cluster_purity"] <= 1 and "kl_bucket_stage" not in by_name["unigram"]
-    assert (tmp_path / "report" / "synthetic_coverage_midx-rq_s3.md").is_file()
-    bands = report["bands"]
-    assert [b["band"] for b in bands] == ["ranks [0, 64)", "ranks [64, 640)", "ranks [640, 2,000)"]
-    assert math.isclose(sum(b["true_mass"] for b in bands), 1.0, rel_tol=1e-9)
-    assert math.isclose(sum(b["model_mass"] for b in bands), 1.0, rel_tol=1e-5)
-    assert math.isclose(sum(b["label_share"] for b in bands), 1.0, rel_tol=1e-9)
-    assert math.isclose(sum(b["excess_nll_share"] for b in bands), 1.0, rel_tol=1e-6)
-
-    from recipes.benchmarks import synthetic_gradient
-
-    grad = synthetic_gradient.main([str(tmp_path / "midx-rq_s3"), "--out", str(tmp_path / "report"), "--contexts", "16",
-                                    "--repeats", "3", "--num_samples", "20", "--exact_heads", "64", "0",
-                                    "--proposals", "unigram", "midx-rq K=64"])  # fmt: skip
-    rows = grad["rows"]
-    assert [(r["exact_head"], r["proposal"], r["estimator"]) for r in rows[:2]] == [
-        (64, "unigram", "corrected-positive"), (64, "unigram", "exact-positive")]  # fmt: skip
-    assert len(rows) == 8 and {r["exact_head"] for r in rows} == {64, 0}
-    for r in rows:
-        assert all(math.isfinite(r[k]) and r[k] >= 0 for k in ("bias_w", "noise_w", "bias_z", "noise_z")), r
-        assert -1 <= r["cos_w"] <= 1 + 1e-9 and (r["head_mass"] > 0) == (r["exact_head"] > 0)
-    assert (tmp_path / "report" / "synthetic_gradient_midx-rq_s3.md").is_file()
-
     from recipes import synthetic
-    from recipes.benchmarks import synthetic_heldout
 
     # Scoring is the recipe's own exact evaluation: on the recipe's test blocks it gives its test loss.
     syn, seq_len = runs["unigram"]["synthetic"], runs["unigram"]["data"]["seq_len"]
     chain = synthetic.ZipfMarkovChain(2000, syn["zipf_exponent"], syn["num_clusters"], syn["successors"], 0)
     test_blocks = torch.from_numpy(chain.sample_blocks(math.ceil(400 / seq_len), seq_len + 1, seed=[0, 2]))
-    nll = synthetic_heldout.token_nll(tmp_path / "unigram_s3", test_blocks)
+    nll = recipe_runs.token_nll(tmp_path / "unigram_s3", test_blocks)
     assert nll.shape == (test_blocks.shape[0], seq_len)
     assert math.isclose(nll.mean().item(), runs["unigram"]["test_loss"], rel_tol=1e-4)
 
-    held = synthetic_heldout.main([str(tmp_path / "midx-rq_s3"), str(tmp_path / "unigram_s3"), "--tokens", "800",
+    held = recipe_runs.main(["heldout", str(tmp_path / "midx-rq_s3"), str(tmp_path / "unigram_s3"), "--tokens", "800",
                                    "--exact_head", "64", "--out", str(tmp_path / "report")])  # fmt: skip
     by_sampler = {r["label"].split()[0]: r for r in held["runs"]}
     midx, unigram = by_sampler["midx-rq"], by_sampler["unigram"]
@@ -999,25 +964,25 @@ def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path, monkeypat
     outs = []
     for name in ("midx-rq_s3", "unigram_s3"):
         outs.append(str(tmp_path / "part" / name / "synthetic_heldout.json"))
-        synthetic_heldout.main([str(tmp_path / name), "--tokens", "800", "--exact_head", "64",
+        recipe_runs.main(["heldout", str(tmp_path / name), "--tokens", "800", "--exact_head", "64",
                                 "--out", str(Path(outs[-1]).parent)])  # fmt: skip
     alone = (Path(outs[0]).parent / "synthetic_heldout.md").read_text()
     assert "No run has its unigram or full-softmax partner" in alone and "| configuration | against |" not in alone
-    merged = synthetic_heldout.main(["--merge", *outs, "--out", str(tmp_path / "merged")])
+    merged = recipe_runs.main(["heldout", "--merge", *outs, "--out", str(tmp_path / "merged")])
     assert merged["summary"] == held["summary"]
     assert "| configuration | against |" in (tmp_path / "merged" / "synthetic_heldout.md").read_text()
     assert [r["nll"] for r in merged["runs"]] == [r["nll"] for r in held["runs"]]
-    synthetic_heldout.main([str(tmp_path / "unigram_s3"), "--tokens", "960", "--exact_head", "64",
+    recipe_runs.main(["heldout", str(tmp_path / "unigram_s3"), "--tokens", "960", "--exact_head", "64",
                             "--out", str(tmp_path / "part" / "more")])  # fmt: skip
     with pytest.raises(SystemExit, match="scored other tokens"):
-        synthetic_heldout.main(["--merge", outs[0], str(tmp_path / "part" / "more" / "synthetic_heldout.json")])
+        recipe_runs.main(["heldout", "--merge", outs[0], str(tmp_path / "part" / "more" / "synthetic_heldout.json")])
     # The same configuration and seed twice is refused before any scoring.
     shutil.copytree(tmp_path / "unigram_s3", tmp_path / "again_s3")
-    monkeypatch.setattr(synthetic_heldout, "token_nll", lambda *args: pytest.fail("scored a run"))
+    monkeypatch.setattr(recipe_runs, "token_nll", lambda *args: pytest.fail("scored a run"))
     with pytest.raises(SystemExit, match="are both unigram M=20 H=64, seed 3"):
-        synthetic_heldout.main([str(tmp_path / "unigram_s3"), str(tmp_path / "again_s3"), "--out", str(tmp_path)])
+        recipe_runs.main(["heldout", str(tmp_path / "unigram_s3"), str(tmp_path / "again_s3"), "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="not both or neither"):
-        synthetic_heldout.main([str(tmp_path / "unigram_s3"), "--merge", outs[0]])
+        recipe_runs.main(["heldout", str(tmp_path / "unigram_s3"), "--merge", outs[0]])
     # Runs of another chain are refused rather than scored on the wrong one's tokens.
     other = tmp_path / "other_s3"
     shutil.copytree(tmp_path / "unigram_s3", other)
@@ -1025,4 +990,4 @@ def test_synthetic_curves_and_coverage_read_large_vocab_runs(tmp_path, monkeypat
     results["synthetic"]["corpus_seed"] = 1
     (other / "results.json").write_text(json.dumps(results))
     with pytest.raises(SystemExit, match="different chains"):
-        synthetic_heldout.main([str(tmp_path / "midx-rq_s3"), str(other), "--out", str(tmp_path / "report")])
+        recipe_runs.main(["heldout", str(tmp_path / "midx-rq_s3"), str(other), "--out", str(tmp_path / "report")])
