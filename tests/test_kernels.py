@@ -304,15 +304,19 @@ def test_kernels_compile_for_sm90():
         keys_ptr="*i32", order_ptr="*i64", grad_weight_ptr="*bf16", grad_bias_ptr="*bf16", stats_ptr="*fp32",
         scale="fp32", softcap="fp32",
     )
+    b = Blocks.choose(8192, 640, 21, interpreted=False)  # what a GPU runs at the Gemma-3-270M shape, M = 20
     kernels = [
         (k.candidate_forward_kernel, dict(HAS_BIAS=True, SOFTCAP=True, CORRECTED=True, DROP_HITS=True, SEARCH_STEPS=12,
-                                          BLOCK_T=4, BLOCK_R=32, BLOCK_D=64, BLOCK_H=128)),
-        (k.candidate_grad_hidden_kernel, dict(HAS_BASE=True, BLOCK_T=4, BLOCK_R=32, BLOCK_D=64)),
-        (k.candidate_grad_weight_kernel, dict(HAS_BIAS=True, BLOCK_V=64, BLOCK_P=64, BLOCK_D=64)),
+                                          BLOCK_T=b.t, BLOCK_R=32, BLOCK_D=b.d, BLOCK_H=b.h)),
+        (k.candidate_grad_hidden_kernel, dict(HAS_BASE=True, BLOCK_T=b.t, BLOCK_R=32, BLOCK_D=b.d)),
+        (k.candidate_grad_weight_kernel, dict(HAS_BIAS=True, BLOCK_V=b.v, BLOCK_P=b.p, BLOCK_D=b.d)),
     ]
     for fn, constants in kernels:
         signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in fn.arg_names}
-        binary = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32))
+        binary = triton.compile(
+            ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": b.warps, "enable_fp_fusion": True},
+        )
         assert binary.asm["cubin"], fn.__name__
 
 
