@@ -35,6 +35,23 @@ def _finish_logits(x, scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _head_tile(
+    head_raw_ptr, head_ids_ptr, bias_ptr, t64, t_ok, c0, H, stride_head_raw, scale, softcap,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Columns c0 .. c0 + BLOCK_H of the exact head for the block's tokens: (c, in-range mask, o, do/dx)."""
+    c = c0 + tl.arange(0, BLOCK_H)
+    c_ok = c < H
+    ok = t_ok[:, None] & c_ok[None, :]
+    xh = tl.load(head_raw_ptr + t64[:, None] * stride_head_raw + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        hid = tl.load(head_ids_ptr + c, mask=c_ok, other=0)
+        xh += tl.load(bias_ptr + hid, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    oh, doh = _finish_logits(xh, scale, softcap, SOFTCAP)
+    return c, ok, oh, doh
+
+
+@triton.jit
 def candidate_forward_kernel(
     hidden_ptr, weight_ptr, bias_ptr, labels_ptr, ids_ptr, log_q_ptr, log_q_pos_ptr,
     head_ids_ptr, head_raw_ptr,
@@ -130,14 +147,10 @@ def candidate_forward_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)  # rows past T (all -inf)
     s = tl.sum(tl.exp(term - m[:, None]), axis=1)
     for c0 in range(0, H, BLOCK_H):
-        c = c0 + tl.arange(0, BLOCK_H)
-        c_ok = c < H
-        ok = t_ok[:, None] & c_ok[None, :]
-        xh = tl.load(head_raw_ptr + t64[:, None] * stride_head_raw + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            hid = tl.load(head_ids_ptr + c, mask=c_ok, other=0)
-            xh += tl.load(bias_ptr + hid, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-        oh, doh = _finish_logits(xh, scale, softcap, SOFTCAP)
+        c, ok, oh, doh = _head_tile(
+            head_raw_ptr, head_ids_ptr, bias_ptr, t64, t_ok, c0, H, stride_head_raw, scale, softcap,
+            HAS_BIAS, SOFTCAP, BLOCK_H,
+        )
         oh = tl.where(ok, oh, float("-inf"))
         m_new = tl.maximum(m, tl.max(oh, axis=1))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(oh - m_new[:, None]), axis=1)
@@ -154,14 +167,10 @@ def candidate_forward_kernel(
     g = tl.where(keep & cand_ok, g * do_dx, 0.0)
     tl.store(g_cand_ptr + t64[:, None] * R + r[None, :], g, mask=cand_ok)
     for c0 in range(0, H, BLOCK_H):
-        c = c0 + tl.arange(0, BLOCK_H)
-        c_ok = c < H
-        ok = t_ok[:, None] & c_ok[None, :]
-        xh = tl.load(head_raw_ptr + t64[:, None] * stride_head_raw + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            hid = tl.load(head_ids_ptr + c, mask=c_ok, other=0)
-            xh += tl.load(bias_ptr + hid, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-        oh, doh = _finish_logits(xh, scale, softcap, SOFTCAP)
+        c, ok, oh, doh = _head_tile(
+            head_raw_ptr, head_ids_ptr, bias_ptr, t64, t_ok, c0, H, stride_head_raw, scale, softcap,
+            HAS_BIAS, SOFTCAP, BLOCK_H,
+        )
         gh = tl.where(keep & ok, tl.exp(oh - lse[:, None]) * doh, 0.0)
         tl.store(g_head_ptr + t64[:, None] * H + c[None, :], gh, mask=ok)
 
