@@ -35,6 +35,21 @@ def _finish_logits(x, scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _lse_start(terms):
+    """(max, sum of exp(terms - max)) over axis 1 of (BLOCK_T, N) terms; max 0 for an all -inf row (past T)."""
+    m = tl.max(terms, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    return m, tl.sum(tl.exp(terms - m[:, None]), axis=1)
+
+
+@triton.jit
+def _lse_add(m, s, terms):
+    """The running (max, sum) after one more (BLOCK_T, N) tile of terms."""
+    m_new = tl.maximum(m, tl.max(terms, axis=1))
+    return m_new, s * tl.exp(m - m_new) + tl.sum(tl.exp(terms - m_new[:, None]), axis=1)
+
+
+@triton.jit
 def _head_tile(
     head_raw_ptr, head_ids_ptr, bias_ptr, t64, t_ok, c0, H, stride_head_raw, scale, softcap,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -60,11 +75,12 @@ def candidate_forward_kernel(
     stride_hidden, stride_weight, stride_head_raw,
     ignore_index, scale, softcap,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, CORRECTED: tl.constexpr, DROP_HITS: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,
+    EXACT_VALUE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """One program per BLOCK_T tokens: the candidates' logits, the logsumexp with the exact head, the
-    per-token loss, and d loss_t / d x for every candidate and head logit (x before scale and cap).
+    per-token loss (the objective's, or with EXACT_VALUE the exact-loss estimate), and the objective's
+    d loss_t / d x for every candidate and head logit (x before scale and cap).
 
     Writes loss (T,) f32 (0 at ignored tokens), stats (programs, 2) f32 (this block's loss sum and
     number of valid tokens, for the reduction), rows (T, R) int32 (the label, then the negatives),
@@ -140,23 +156,31 @@ def candidate_forward_kernel(
     if DROP_HITS:
         drop = drop | (is_neg & (neg_id == y[:, None]))
     term = tl.where(drop | ~cand_ok, float("-inf"), term)
-    target = tl.sum(tl.where(is_pos, o, 0.0), axis=1) - pos_corr
 
-    # Online logsumexp over the candidates and the exact head.
-    m = tl.max(term, axis=1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # rows past T (all -inf)
-    s = tl.sum(tl.exp(term - m[:, None]), axis=1)
+    pos = tl.sum(tl.where(is_pos, o, 0.0), axis=1)
+    target = pos - pos_corr
+    # The value, when asked: an estimate of the exact cross-entropy from the same logits, Z estimated without
+    # bias (the label exactly, M draws each corrected by log M + log q, hits dropped); no gradient of its own.
+    vterm = tl.where(is_pos, o, o - (tl.log(M + 0.0) + log_q))
+    vterm = tl.where((is_pos & in_head[:, None]) | (is_neg & (neg_id == y[:, None])) | ~cand_ok, float("-inf"), vterm)
+
+    # Online logsumexps over the candidates and the exact head.
+    m, s = _lse_start(term)
+    mv, sv = _lse_start(vterm)
     for c0 in range(0, H, BLOCK_H):
         c, ok, oh, doh = _head_tile(
             head_raw_ptr, head_ids_ptr, bias_ptr, t64, t_ok, c0, H, stride_head_raw, scale, softcap,
             HAS_BIAS, SOFTCAP, BLOCK_H,
         )
         oh = tl.where(ok, oh, float("-inf"))
-        m_new = tl.maximum(m, tl.max(oh, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(oh - m_new[:, None]), axis=1)
-        m = m_new
+        m, s = _lse_add(m, s, oh)
+        if EXACT_VALUE:
+            mv, sv = _lse_add(mv, sv, oh)
     lse = m + tl.log(tl.where(t_ok, s, 1.0))  # rows past T: 0, not log(0)
-    loss = tl.where(valid, lse - target, 0.0)
+    if EXACT_VALUE:
+        loss = tl.where(valid, mv + tl.log(tl.where(t_ok, sv, 1.0)) - pos, 0.0)
+    else:
+        loss = tl.where(valid, lse - target, 0.0)
     tl.store(loss_ptr + t, loss, mask=t_ok)
     two = tl.arange(0, 2)
     tl.store(stats_ptr + pid * 2 + two, tl.where(two == 0, tl.sum(loss, axis=0), tl.sum(valid.to(tl.float32), axis=0)))

@@ -13,6 +13,10 @@ n = M + [corrected positive and y not in H]:
 
 with c_y = log n + log q_y for the corrected positive (0 when y is in H, or its log q is not finite)
 and c_y = 0 for the exact positive; a draw equal to y stays a term unless ``remove_accidental_hits``.
+With ``exact_value`` (the default, as :func:`hf_midx.sampled_softmax_loss` has it) the value returned is
+instead an estimate of the exact cross-entropy from the same logits, the gradient still the objective's:
+
+    value_t = logsumexp([ o_h for h in H ;  o_y (dropped when y in H) ;  o_j - log M - log q_j for each draw j != y ]) - o_y
 The gradient of loss_t with respect to the terms is softmax(terms_t) minus 1 at the target, which is
 always o_y: the fused forward computes it (times d o / d x) while the logits are in registers, so the
 backward only scales it by the upstream gradient and gathers (Liger and Cut Cross-Entropy do the same).
@@ -113,7 +117,7 @@ class FusedCandidateLoss(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, hidden, weight, bias, labels, ids, log_q, log_q_pos, head_ids,
-        ignore_index, logit_scale, logit_softcap, corrected, drop_hits, reduction, blocks,
+        ignore_index, logit_scale, logit_softcap, corrected, drop_hits, exact_value, reduction, blocks,
     ):
         kernels = _kernels()
         num_tokens, dim = hidden.shape
@@ -147,7 +151,8 @@ class FusedCandidateLoss(torch.autograd.Function):
             hidden.stride(0), weight.stride(0), head_raw.stride(0) if num_head else 0,
             ignore_index, float(logit_scale), float(logit_softcap or 1.0),
             HAS_BIAS=bias is not None, SOFTCAP=logit_softcap is not None, CORRECTED=corrected, DROP_HITS=drop_hits,
-            SEARCH_STEPS=max(0, num_head).bit_length(),
+            # The paper's estimator with the hits dropped is the value estimate already.
+            EXACT_VALUE=exact_value and (corrected or not drop_hits), SEARCH_STEPS=max(0, num_head).bit_length(),
             BLOCK_T=blocks.t, BLOCK_R=_pow2(rows_per_token), BLOCK_D=blocks.d, BLOCK_H=min(blocks.h, _pow2(num_head)),
             num_warps=blocks.warps,
         )
@@ -214,13 +219,13 @@ class FusedCandidateLoss(torch.autograd.Function):
                     grad_bias.index_add_(0, head_ids, g_head_scaled.sum(0).to(grad_bias.dtype))
             if not need_w:
                 grad_weight = None
-        return (grad_hidden, grad_weight, grad_bias) + (None,) * 12
+        return (grad_hidden, grad_weight, grad_bias) + (None,) * 13
 
 
 # ====================================================================== eager reference
 def candidate_loss_reference(
     hidden, weight, labels, ids, log_q, log_q_pos, *, bias, head_ids, ignore_index, logit_scale, logit_softcap,
-    corrected, drop_hits, reduction,
+    corrected, drop_hits, exact_value, reduction,
 ):
     """The same loss in plain differentiable PyTorch (autograd does the backward): the reference of the
     fused kernels and their CPU fallback. Logits in float32 (float64 for float64 inputs), as the
@@ -255,7 +260,13 @@ def candidate_loss_reference(
     if drop_hits:
         neg = neg.masked_fill(ids == y.unsqueeze(1), -math.inf)
     terms = torch.cat([oh, target.masked_fill(in_head, -math.inf).unsqueeze(1), neg], dim=1)
-    per_token = torch.where(valid, torch.logsumexp(terms, dim=1) - target, torch.zeros_like(target)).float()
+    per_token = torch.logsumexp(terms, dim=1) - target
+    if exact_value:
+        # The exact-loss estimate (hits dropped, M draws corrected by log M + log q) with the objective's gradient.
+        tail = (o[:, 1:] - (math.log(m) + log_q.to(acc))).masked_fill(ids == y.unsqueeze(1), -math.inf)
+        value = torch.cat([oh, o[:, :1].masked_fill(in_head.unsqueeze(1), -math.inf), tail], 1).logsumexp(1) - o[:, 0]
+        per_token = per_token + (value - per_token).detach()
+    per_token = torch.where(valid, per_token, torch.zeros_like(per_token)).float()
     if reduction == "none":
         return per_token
     total = per_token.sum()
@@ -283,6 +294,7 @@ def candidate_loss(
     logit_softcap: float | None = None,
     corrected_positive: bool = True,
     remove_accidental_hits: bool = False,
+    exact_value: bool = True,
     reduction: str = "mean",
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -306,6 +318,10 @@ def candidate_loss(
         corrected_positive: the label outside the head is one more candidate corrected by its own
             log q ("corrected-positive"); False: its logit enters as is ("exact-positive").
         remove_accidental_hits: drop a draw equal to the label from the sum.
+        exact_value: the value is an estimate of the exact cross-entropy from the same logits (log Z
+            estimated without bias: the label exactly, the M draws corrected by log M + log q, hits
+            dropped), the gradient the objective's, as :func:`hf_midx.sampled_softmax_loss` returns it
+            by default; False: the objective's value.
         reduction: "mean" over non-ignored tokens, "sum", or "none" ((T,), 0 at ignored tokens).
         backend: "fused" (Triton: CUDA tensors, or any under ``TRITON_INTERPRET=1``), "eager"
             (:func:`candidate_loss_reference`), or "auto": fused on CUDA when Triton imports.
@@ -329,12 +345,12 @@ def candidate_loss(
             hidden, weight, bias, labels, ids.contiguous(), log_q.float().contiguous(),
             None if not corrected_positive else log_q_pos.float().contiguous(),
             head_ids, int(ignore_index), float(logit_scale), logit_softcap,
-            bool(corrected_positive), bool(remove_accidental_hits), reduction, None,
+            bool(corrected_positive), bool(remove_accidental_hits), bool(exact_value), reduction, None,
         )
     return candidate_loss_reference(
         hidden, weight, labels, ids, log_q, log_q_pos, bias=bias, head_ids=head_ids, ignore_index=ignore_index,
         logit_scale=logit_scale, logit_softcap=logit_softcap, corrected=corrected_positive,
-        drop_hits=remove_accidental_hits, reduction=reduction,
+        drop_hits=remove_accidental_hits, exact_value=exact_value, reduction=reduction,
     )
 
 
