@@ -35,7 +35,9 @@ from _env import REPO, offline_env
 triton = pytest.importorskip("triton", reason="the fused kernels need Triton (Linux x86_64 wheels)")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child (test_interpreted_kernels)")
+interpreted = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child (test_interpreted_kernels)"
+)
 compiled = pytest.mark.skipif(INTERPRETED, reason="needs Triton imported uninterpreted: runs in the parent process")
 
 
@@ -268,7 +270,8 @@ def test_midx_draws():
     sampler = build_sampler("midx-rq", case.weight.detach(), codebook_size=8, class_counts=counts, exclude=case.head,
                             kmeans_iters=3, mix_weight=0.5)
     y = torch.where(case.labels == -100, torch.zeros_like(case.labels), case.labels)
-    ids, log_q, log_q_pos = sampler.draw_scored(case.hidden.detach().float(), 20, y.unsqueeze(1), generator=CounterRNG(7))
+    queries = case.hidden.detach().float()
+    ids, log_q, log_q_pos = sampler.draw_scored(queries, 20, y.unsqueeze(1), generator=CounterRNG(7))
     drawn = case._replace(ids=ids, log_q=log_q, log_q_pos=log_q_pos.squeeze(1))
     got = run(fused, drawn, exact_value=EAGER_VALUE)
 

@@ -16,7 +16,8 @@ and c_y = 0 for the exact positive; a draw equal to y stays a term unless ``remo
 With ``exact_value`` (the default, as :func:`hf_midx.sampled_softmax_loss` has it) the value returned is
 instead an estimate of the exact cross-entropy from the same logits, the gradient still the objective's:
 
-    value_t = logsumexp([ o_h for h in H ;  o_y (dropped when y in H) ;  o_j - log M - log q_j for each draw j != y ]) - o_y
+    value_t = logsumexp([ o_h for h in H ;  o_y (dropped when y in H) ;  o_j - log M - log q_j, draws j != y ]) - o_y
+
 The gradient of loss_t with respect to the terms is softmax(terms_t) minus 1 at the target, which is
 always o_y: the fused forward computes it (times d o / d x) while the logits are in registers, so the
 backward only scales it by the upstream gradient and gathers (Liger and Cut Cross-Entropy do the same).
@@ -134,7 +135,7 @@ class FusedCandidateLoss(torch.autograd.Function):
             w_head = weight.index_select(0, head_ids)  # (H, D), kept for the backward GEMMs
             head_raw = hidden @ w_head.t()  # (T, H): cuBLAS, in the weight's dtype
             # The gradient overwrites the logits where both are float32 (each read before written).
-            g_head = head_raw if head_raw.dtype == f32 else torch.empty((num_tokens, num_head), device=device, dtype=f32)
+            g_head = head_raw if head_raw.dtype == f32 else head_raw.new_empty(head_raw.shape, dtype=f32)
         else:
             head_ids = w_head = head_raw = g_head = labels  # never read: every loop over H is empty
         programs = _cdiv(num_tokens, blocks.t)
@@ -167,9 +168,8 @@ class FusedCandidateLoss(torch.autograd.Function):
                 count = total[1].clamp_min(1)
                 out = out / count
         ctx.save_for_backward(hidden, weight, w_head, head_ids, rows, g_cand, g_head, count)
-        ctx.num_head, ctx.has_bias, ctx.blocks, ctx.bias_dtype = num_head, bias is not None, blocks, (
-            bias.dtype if bias is not None else None
-        )
+        ctx.num_head, ctx.blocks = num_head, blocks
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         return out
 
     @staticmethod
@@ -364,13 +364,16 @@ def _validate(hidden, weight, labels, ids, log_q, log_q_pos, bias, head_ids, cor
         raise ValueError(f"weight has {weight.shape[1]} dims, hidden has {dim}; pass the head's (V, D) weight.")
     _check_int_tensor("labels", labels, (num_tokens,))
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != num_tokens or ids.shape[1] < 1:
-        raise ValueError(f"ids must be (T, M) = ({num_tokens}, M >= 1) drawn negatives, got {getattr(ids, 'shape', ids)}.")
+        raise ValueError(
+            f"ids must be (T, M) = ({num_tokens}, M >= 1) drawn negatives, got {getattr(ids, 'shape', ids)}."
+        )
     _check_int_tensor("ids", ids, tuple(ids.shape))
     if not isinstance(log_q, torch.Tensor) or tuple(log_q.shape) != tuple(ids.shape) or not log_q.is_floating_point():
-        raise ValueError(f"log_q must be a float tensor shaped like ids {tuple(ids.shape)}, got {getattr(log_q, 'shape', log_q)}.")
-    if corrected and (
-        not isinstance(log_q_pos, torch.Tensor) or tuple(log_q_pos.shape) != (num_tokens,) or not log_q_pos.is_floating_point()
-    ):
+        raise ValueError(
+            f"log_q must be a float tensor shaped like ids {tuple(ids.shape)}, got {getattr(log_q, 'shape', log_q)}."
+        )
+    pos_ok = isinstance(log_q_pos, torch.Tensor) and tuple(log_q_pos.shape) == (num_tokens,)
+    if corrected and not (pos_ok and log_q_pos.is_floating_point()):
         raise ValueError(
             f"corrected_positive needs log_q_pos, the (T,) = ({num_tokens},) float log Q of the labels "
             "(the sampler's draw_scored gives it); pass corrected_positive=False for the exact positive."
