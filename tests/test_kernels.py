@@ -38,7 +38,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(
     not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child (test_interpreted_kernels)"
 )
-compiled = pytest.mark.skipif(INTERPRETED, reason="needs Triton imported uninterpreted: runs in the parent process")
+compiled = pytest.mark.skipif(INTERPRETED, reason="runs in the parent process, whose Triton compiles")
 
 
 @compiled
@@ -298,6 +298,19 @@ def test_validation_and_backend_choice(monkeypatch):
         candidate_loss(*args, backend="fused")
     # "auto" on CPU tensors is the eager reference.
     torch.testing.assert_close(candidate_loss(*args), reference(case))
+
+
+@compiled
+def test_eager_backend_traces_without_graph_breaks():
+    """On the CPU ("auto" picks the reference) candidate_loss is one graph for torch.compile."""
+    case = make_case(64, 500, 16, 5, 8, seed=7)
+
+    def loss(hidden, weight, bias):
+        return candidate_loss(hidden, weight, case.labels, case.ids, case.log_q, case.log_q_pos, bias=bias,
+                              head_ids=case.head)
+
+    explained = torch._dynamo.explain(loss)(case.hidden, case.weight, case.bias)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
 # ------------------------------------------------------------------------------------------ what the GPU runs

@@ -68,6 +68,9 @@ def _kernels():
     """The kernel module, (re)imported so that its ``@triton.jit`` functions match the interpreter setting:
     Triton decides at decoration time whether a function is compiled or interpreted."""
     from . import _candidate_triton as module
+
+    if torch.compiler.is_compiling():
+        return module  # a compiled graph runs on a GPU, never in the interpreter: nothing to check while tracing
     from triton.runtime.interpreter import InterpretedFunction
 
     if isinstance(module.candidate_forward_kernel, InterpretedFunction) != triton_interpreting():
@@ -125,7 +128,8 @@ class FusedCandidateLoss(torch.autograd.Function):
         m = ids.shape[1]
         rows_per_token = m + 1
         num_head = 0 if head_ids is None else head_ids.numel()
-        blocks = blocks or Blocks.choose(num_tokens, dim, rows_per_token, triton_interpreting())
+        interpreted = not torch.compiler.is_compiling() and triton_interpreting()
+        blocks = blocks or Blocks.choose(num_tokens, dim, rows_per_token, interpreted)
         hidden = hidden.contiguous()
         weight = weight.contiguous()
         device = hidden.device
@@ -332,15 +336,11 @@ def candidate_loss(
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)  # one dtype for the products, as sampled_softmax_loss does
     if backend == "auto":
-        backend = "fused" if hidden.is_cuda and triton_available() else "eager"
+        # While torch.compile traces, no import is tried: CUDA builds of torch ship Triton.
+        backend = "fused" if hidden.is_cuda and (torch.compiler.is_compiling() or triton_available()) else "eager"
     if backend == "fused":
-        if not triton_available():
-            raise ValueError("backend='fused' needs Triton (pip install triton, Linux x86_64); use backend='eager'.")
-        if not hidden.is_cuda and not triton_interpreting():
-            raise ValueError(
-                "backend='fused' runs on CUDA tensors, or on the CPU under TRITON_INTERPRET=1 (slow, for tests); "
-                "use backend='eager' on the CPU."
-            )
+        if not torch.compiler.is_compiling():
+            _check_fused(hidden)
         return FusedCandidateLoss.apply(
             hidden, weight, bias, labels, ids.contiguous(), log_q.float().contiguous(),
             None if not corrected_positive else log_q_pos.float().contiguous(),
@@ -352,6 +352,16 @@ def candidate_loss(
         logit_scale=logit_scale, logit_softcap=logit_softcap, corrected=corrected_positive,
         drop_hits=remove_accidental_hits, exact_value=exact_value, reduction=reduction,
     )
+
+
+def _check_fused(hidden):
+    if not triton_available():
+        raise ValueError("backend='fused' needs Triton (pip install triton, Linux x86_64); use backend='eager'.")
+    if not hidden.is_cuda and not triton_interpreting():
+        raise ValueError(
+            "backend='fused' runs on CUDA tensors, or on the CPU under TRITON_INTERPRET=1 (slow, for tests); "
+            "use backend='eager' on the CPU."
+        )
 
 
 def _validate(hidden, weight, labels, ids, log_q, log_q_pos, bias, head_ids, corrected, reduction, backend):
