@@ -100,8 +100,8 @@ class Blocks:
         d = min(_pow2(dim), 128 if interpreted else 32)
         t = max(1, min(_pow2(num_tokens), budget // (_pow2(rows) * d)))
         t = 1 << (t.bit_length() - 1)  # a power of two below the budget
-        if interpreted:
-            return cls(t=t, d=d, h=1024, v=2048, p=512)
+        if interpreted:  # within the interpreter's 2^20 elements a tile
+            return cls(t=t, d=d, h=max(16, min(1024, (1 << 20) // t)), v=2048, p=512)
         return cls(t=t, d=d, h=128, v=64, p=64)
 
 
@@ -177,6 +177,7 @@ class FusedCandidateLoss(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         hidden, weight, w_head, head_ids, rows, g_cand, g_head, count = ctx.saved_tensors
         kernels = _kernels()
