@@ -26,15 +26,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_midx import build_sampler, sampled_softmax_loss
-from hf_midx.kernels import FusedCandidateLoss, candidate_loss, candidate_loss_reference
+from hf_midx.kernels import FusedCandidateLoss, candidate_loss, candidate_loss_reference, triton_available
 from hf_midx.kernels.candidate import Blocks
 from hf_midx.rng import CounterRNG
 
 from _env import REPO, offline_env
 
-triton = pytest.importorskip("triton", reason="the fused kernels need Triton (Linux x86_64 wheels)")
-
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not triton_available(), reason="the fused kernels need Triton (Linux x86_64 wheels)")
 interpreted = pytest.mark.skipif(
     not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child (test_interpreted_kernels)"
 )
@@ -42,6 +41,7 @@ compiled = pytest.mark.skipif(INTERPRETED, reason="runs in the parent process, w
 
 
 @compiled
+@needs_triton
 def test_interpreted_kernels():
     """This file again, in a child process whose Triton interprets (see the module docstring)."""
     child = subprocess.run(
@@ -301,6 +301,18 @@ def test_validation_and_backend_choice(monkeypatch):
 
 
 @compiled
+def test_without_triton_the_fused_backend_says_so(monkeypatch):
+    from hf_midx.kernels import candidate
+
+    monkeypatch.setattr(candidate, "triton_available", lambda: False)
+    case = make_case(8, 50, 4, 3, 0, bias=False)
+    args = (case.hidden, case.weight, case.labels, case.ids, case.log_q, case.log_q_pos)
+    with pytest.raises(ValueError, match="needs Triton"):
+        candidate_loss(*args, backend="fused")
+    torch.testing.assert_close(candidate_loss(*args), reference(case))  # "auto": the reference
+
+
+@compiled
 def test_eager_backend_traces_without_graph_breaks():
     """On the CPU ("auto" picks the reference) candidate_loss is one graph for torch.compile."""
     case = make_case(64, 500, 16, 5, 8, seed=7)
@@ -317,6 +329,7 @@ def test_eager_backend_traces_without_graph_breaks():
 @compiled
 def test_kernels_compile_for_sm90():
     """The real compiler (no GPU needed) types the kernels more strictly than the interpreter does."""
+    triton = pytest.importorskip("triton", reason="the fused kernels need Triton (Linux x86_64 wheels)")
     pytest.importorskip("triton.backends.nvidia", reason="Triton's CUDA backend is not installed")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

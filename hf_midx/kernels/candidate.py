@@ -306,7 +306,9 @@ def candidate_loss(
     """Per-query sampled-softmax loss of drawn negatives, with the exact head (see the module docstring).
 
     No host sync and no (T, V) tensor. The defaults are the default training head's estimator
-    ("corrected-positive", accidental hits kept).
+    ("corrected-positive", accidental hits kept). Ids are not range-checked here (that would read them
+    on the host): the fused kernels read out of bounds for a label or draw outside [0, V), so a caller
+    checks them first, as :func:`hf_midx.sampled_softmax_loss` does with a device-side assertion.
 
     Args:
         hidden: (T, D) float hidden states (cast to ``weight``'s dtype; autograd flows to them).
