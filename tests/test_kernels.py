@@ -282,6 +282,18 @@ def test_midx_draws():
     check_fp32(got, run(eager_midx, case))
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_counter_rand_is_the_eager_stream(dtype):
+    """counter_rand gives CounterRNG.rand's numbers bit for bit and moves the state as it does."""
+    from hf_midx.kernels import counter_rand
+
+    eager_rng, fused_rng = CounterRNG(1234), CounterRNG(1234)
+    for n in (1001, 1, 0, 4096 + 7):  # odd counts leave a half-used word behind, as rand does
+        assert torch.equal(counter_rand(fused_rng._state, n, dtype), eager_rng.rand(n, dtype=dtype))
+        assert torch.equal(fused_rng.get_state(), eager_rng.get_state())
+
+
 # ------------------------------------------------------------------------------------------ entry point
 @interpreted
 def test_validation_and_backend_choice(monkeypatch):
@@ -335,13 +347,14 @@ def test_kernels_compile_for_sm90():
     from triton.compiler import ASTSource
 
     from hf_midx.kernels import _candidate_triton as k
+    from hf_midx.kernels import _counter_triton as c
 
     types = dict(
         hidden_ptr="*bf16", weight_ptr="*bf16", bias_ptr="*bf16", labels_ptr="*i64", ids_ptr="*i64", log_q_ptr="*fp32",
         log_q_pos_ptr="*fp32", head_ids_ptr="*i64", head_raw_ptr="*bf16", loss_ptr="*fp32", rows_ptr="*i32",
         g_cand_ptr="*fp32", g_head_ptr="*fp32", gscale_ptr="*fp32", base_ptr="*bf16", out_ptr="*bf16",
         keys_ptr="*i32", order_ptr="*i64", grad_weight_ptr="*bf16", grad_bias_ptr="*bf16", stats_ptr="*fp32",
-        scale="fp32", softcap="fp32",
+        scale="fp32", softcap="fp32", state_ptr="*i64",
     )
     b = Blocks.choose(8192, 640, 21, interpreted=False)  # what a GPU runs at the Gemma-3-270M shape, M = 20
     kernels = [
@@ -349,9 +362,12 @@ def test_kernels_compile_for_sm90():
                                           SEARCH_STEPS=12, BLOCK_T=b.t, BLOCK_R=32, BLOCK_D=b.d, BLOCK_H=b.h)),
         (k.candidate_grad_hidden_kernel, dict(HAS_BASE=True, BLOCK_T=b.t, BLOCK_R=32, BLOCK_D=b.d)),
         (k.candidate_grad_weight_kernel, dict(HAS_BIAS=True, BLOCK_V=b.v, BLOCK_P=b.p, BLOCK_D=b.d)),
+        (c.counter_rand_kernel, dict(F64=False, BLOCK=1024)),
+        (c.counter_rand_kernel, dict(F64=True, BLOCK=1024)),
     ]
     for fn, constants in kernels:
-        signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in fn.arg_names}
+        own = dict(types, out_ptr="*fp64" if constants.get("F64") else "*fp32") if "F64" in constants else types
+        signature = {n: "constexpr" if n in constants else own.get(n, "i32") for n in fn.arg_names}
         binary = triton.compile(
             ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
             options={"num_warps": b.warps, "enable_fp_fusion": True},

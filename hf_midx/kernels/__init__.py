@@ -12,11 +12,13 @@ from .candidate import (
     triton_available,
     triton_interpreting,
 )
+from .counter import counter_rand
 
 __all__ = [
     "FusedCandidateLoss",
     "candidate_loss",
     "candidate_loss_reference",
+    "counter_rand",
     "triton_available",
     "triton_interpreting",
 ]

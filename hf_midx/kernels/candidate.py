@@ -64,18 +64,22 @@ def triton_interpreting() -> bool:
         return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _kernels():
-    """The kernel module, (re)imported so that its ``@triton.jit`` functions match the interpreter setting:
-    Triton decides at decoration time whether a function is compiled or interpreted."""
-    from . import _candidate_triton as module
-
+def _kernels_module(name: str):
+    """The kernel module ``name`` of this package, (re)imported so that its ``@triton.jit`` functions match
+    the interpreter setting: Triton decides at decoration time whether a function is compiled or interpreted."""
+    module = importlib.import_module(f"{__package__}.{name}")
     if torch.compiler.is_compiling():
         return module  # a compiled graph runs on a GPU, never in the interpreter: nothing to check while tracing
     from triton.runtime.interpreter import InterpretedFunction
 
-    if isinstance(module.candidate_forward_kernel, InterpretedFunction) != triton_interpreting():
+    jitted = next(v for v in vars(module).values() if hasattr(v, "arg_names"))  # any @triton.jit function
+    if isinstance(jitted, InterpretedFunction) != triton_interpreting():
         module = importlib.reload(module)
     return module
+
+
+def _kernels():
+    return _kernels_module("_candidate_triton")
 
 
 @dataclasses.dataclass(frozen=True)
