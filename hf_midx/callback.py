@@ -1,26 +1,22 @@
 """MidxCallback: the MIDX schedule for any transformers ``Trainer`` (plain, TRL's SFTTrainer, MidxTrainer).
 
 Install it on a Trainer whose model was wrapped with :func:`hf_midx.wrap`: ``MidxCallback.install(trainer)``
-(MidxTrainer does this itself). It decides *when*; the work lives in the modules it calls:
+(MidxTrainer does this itself). It decides *when*; the work is in the modules it calls. It rebuilds the index
+every ``refresh_every_steps`` optimizer steps and/or at each epoch start (:mod:`hf_midx.distributed`: gathered,
+rebuilt on rank 0, broadcast); trains learned codebooks every step (:mod:`hf_midx.learned_codebooks`); adds to
+each log entry with ``loss`` the proposal diagnostics (``midx/kl``...) and ``midx/train_loss_exact``, the exact
+loss of the last micro-batch (the Trainer's ``loss`` is the *sampled* objective), averaged over processes;
+writes the sampler state into every checkpoint and restores it on resume (:mod:`hf_midx.checkpoint`), so a
+resumed run repeats an uninterrupted one bit for bit; stops on NaN/Inf with :class:`MidxNonFiniteError`,
+naming the step and the tensor (:mod:`hf_midx.nonfinite`). With :meth:`install`, ``trainer.save_model`` also
+writes ``midx_config.json`` and the MIDX card, and ``create_model_card`` (``push_to_hub``) that card, whatever
+the Trainer class; ``callbacks=[MidxCallback()]`` writes the checkpoint state only.
 
-* the index is rebuilt every ``refresh_every_steps`` optimizer steps and/or at each epoch start
-  (:mod:`hf_midx.distributed`: gathered, rebuilt on rank 0, broadcast), logged as ``midx/refresh_seconds``;
-* with ``codebooks="learned"`` the codebooks train every optimizer step (:mod:`hf_midx.learned_codebooks`);
-* each log entry with ``loss`` gets ``midx/kl`` and the other proposal diagnostics on ``kl_queries`` recent
-  hidden states, and ``midx/train_loss_exact``, the exact loss of the last micro-batch (the Trainer's
-  ``loss`` is the *sampled* objective), averaged over processes;
-* every checkpoint gets the sampler state (:mod:`hf_midx.checkpoint`), restored on resume, so a resumed
-  run repeats an uninterrupted one bit for bit; NaN/Inf stops training with :class:`MidxNonFiniteError`
-  naming the step and the tensor (:mod:`hf_midx.nonfinite`);
-* with :meth:`install`, ``trainer.save_model`` writes ``midx_config.json`` and the MIDX card beside the model
-  and ``create_model_card`` (``push_to_hub``) writes that card, whatever the Trainer class;
-  ``callbacks=[MidxCallback()]`` writes the checkpoint state only.
-
-No host sync per micro-batch: the head records its per-call data on the device, read at logging,
-evaluation, save and refresh steps, where the Trainer syncs anyway. :meth:`install` places the callback
-right after the Trainer's flow callback, so that the reporting integrations see the ``midx/`` keys.
-A resumed run's state is read from ``MidxCallback(resume_from_checkpoint=...)`` (MidxTrainer sets it),
-else ``args.resume_from_checkpoint``, else ``<output_dir>/checkpoint-<step>``. Every rank runs the callback.
+No host sync per micro-batch: the head records its per-call data on the device, read at logging, evaluation,
+save and refresh steps, where the Trainer syncs anyway. :meth:`install` places the callback right after the
+flow callback, so that the reporting integrations see the ``midx/`` keys. A resumed run's state is read from
+``MidxCallback(resume_from_checkpoint=...)`` (MidxTrainer sets it), else ``args.resume_from_checkpoint``,
+else ``<output_dir>/checkpoint-<step>``. Every rank runs the callback (the Trainer does).
 """
 
 from __future__ import annotations
@@ -48,11 +44,8 @@ def refresh_index(model, *, codebooks: tuple[torch.Tensor, torch.Tensor] | None 
     """Rebuild a wrapped model's index from its current head weight (gathered when sharded, rebuilt on rank 0,
     broadcast); returns the seconds it took. Collective: every rank calls it. For custom training loops.
 
-    Args:
-        model: a model wrapped with :func:`hf_midx.wrap` (or any module containing its head).
-        codebooks: learned (K, D1), (K, D2) codebooks to adopt (MIDX samplers) instead of re-running k-means.
-    Raises:
-        ValueError: the model has no MIDX head. MidxNonFiniteError: the head weight holds NaN/Inf.
+    ``codebooks``: learned (K, D1), (K, D2) codebooks to adopt (MIDX samplers) instead of re-running k-means.
+    Raises ValueError (the model has no MIDX head) or MidxNonFiniteError (the head weight holds NaN/Inf).
     """
     head = find_head(model)
     if head is None:
@@ -93,20 +86,13 @@ class MidxCallback(TrainerCallback):
         self._nonfinite = NonFiniteCheck()
         self._saved_folder: str | None = None
 
-    @property
-    def codebook_learner(self):
-        """The learned codebooks' :class:`~hf_midx.LearnableCodebooks`, or None."""
-        return None if self.codebooks is None else self.codebooks.learner
-
     @classmethod
     def install(cls, trainer, *, resume_from_checkpoint: str | os.PathLike | None = None) -> "MidxCallback":
         """Put a MidxCallback on ``trainer`` right after its flow callback (ahead of the reporting integrations)
         and return it; the one the trainer already has is moved rather than doubled. Also makes this trainer's
         ``save_model`` write ``midx_config.json`` and the MIDX card, and its ``create_model_card`` write that card
         (the instance's methods are wrapped; the class is untouched). Call it before ``trainer.train()``.
-
-        Raises:
-            ValueError: this process sees several GPUs without a distributed launch (``args.n_gpu > 1``).
+        ValueError when this process sees several GPUs without a distributed launch (``args.n_gpu > 1``).
         """
         refuse_data_parallel(trainer.args)
         handler = trainer.callback_handler
@@ -252,8 +238,7 @@ class MidxCallback(TrainerCallback):
         self._saved_folder = os.path.abspath(folder)
 
     def check_finite(self, state) -> None:
-        """Raise :class:`MidxNonFiniteError` naming the step and the tensor if NaN/Inf appeared since the last
-        check (:class:`~hf_midx.nonfinite.NonFiniteCheck`). One sync; collective."""
+        """:class:`MidxNonFiniteError` naming the step and tensor if NaN/Inf appeared since the last check (one sync)."""
         self._nonfinite.check(self.head, state)
 
     # ------------------------------------------------------------------ internals

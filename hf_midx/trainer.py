@@ -108,7 +108,7 @@ class MidxTrainer(PerplexityMixin, Trainer):
     @property
     def codebook_learner(self) -> LearnableCodebooks | None:
         """The learned codebooks (``codebooks="learned"``, during and after training), else None."""
-        return self.midx_callback.codebook_learner
+        return None if self.midx_callback.codebooks is None else self.midx_callback.codebooks.learner
 
     def refresh_index(self) -> float:
         """Rebuild the index from the current head weight now (collective); returns the seconds it took.
