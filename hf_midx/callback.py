@@ -14,9 +14,7 @@ the Trainer class; ``callbacks=[MidxCallback()]`` writes the checkpoint state on
 
 No host sync per micro-batch: the head records its per-call data on the device, read at logging, evaluation,
 save and refresh steps, where the Trainer syncs anyway. :meth:`install` places the callback right after the
-flow callback, so that the reporting integrations see the ``midx/`` keys. A resumed run's state is read from
-``MidxCallback(resume_from_checkpoint=...)`` (MidxTrainer sets it), else ``args.resume_from_checkpoint``,
-else ``<output_dir>/checkpoint-<step>``. Every rank runs the callback (the Trainer does).
+flow callback, so that the reporting integrations see the ``midx/`` keys. Every rank runs the callback.
 """
 
 from __future__ import annotations
@@ -41,19 +39,18 @@ from .state import find_resume_folder, has_state
 
 
 def refresh_index(model, *, codebooks: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
-    """Rebuild a wrapped model's index from its current head weight (gathered when sharded, rebuilt on rank 0,
-    broadcast); returns the seconds it took. Collective: every rank calls it. For custom training loops.
-
-    ``codebooks``: learned (K, D1), (K, D2) codebooks to adopt (MIDX samplers) instead of re-running k-means.
-    Raises ValueError (the model has no MIDX head) or MidxNonFiniteError (the head weight holds NaN/Inf).
-    """
+    """Rebuild a wrapped model's index from its head weight (gathered when sharded, rebuilt on rank 0, broadcast);
+    returns the seconds it took. Collective. ``codebooks``: learned (K, D1), (K, D2) codebooks to adopt instead
+    of k-means. Raises ValueError (no MIDX head) or MidxNonFiniteError (NaN/Inf in the head weight)."""
     head = find_head(model)
     if head is None:
         raise ValueError("refresh_index needs a model whose LM head was wrapped with hf_midx.wrap(model, ...).")
     seconds = refresh_head(head, codebooks)
     if seconds is None:
-        raise MidxNonFiniteError(f"The LM head weight holds NaN/Inf (found during the index refresh); the index was not "
-                                 f"rebuilt. To go on, {ADVICE}")  # fmt: skip
+        raise MidxNonFiniteError(
+            f"The LM head weight holds NaN/Inf (found during the index refresh); the index was not rebuilt. To go on, "
+            f"{ADVICE}"
+        )
     return seconds
 
 
@@ -63,8 +60,8 @@ class MidxCallback(TrainerCallback):
     The options come from the head's :class:`~hf_midx.MidxConfig`. Put it on a Trainer with :meth:`install`.
 
     Args:
-        resume_from_checkpoint: the checkpoint folder that ``trainer.train(resume_from_checkpoint=...)`` loads,
-            when it is not ``<output_dir>/checkpoint-<step>`` (read once; MidxTrainer sets it).
+        resume_from_checkpoint: the folder ``trainer.train(resume_from_checkpoint=...)`` loads (read once; MidxTrainer
+            sets it); else ``args.resume_from_checkpoint``, else ``<output_dir>/checkpoint-<step>``.
     Attributes:
         head: the wrapped head being trained (found at train start).
         codebooks: the :class:`~hf_midx.learned_codebooks.CodebookTraining` (``codebooks="learned"``), or None.
@@ -134,8 +131,8 @@ class MidxCallback(TrainerCallback):
                 "run. Set MidxConfig(refresh_every_steps=N) (e.g. 100).",
                 stacklevel=2,
             )
-        reporters = [r for r in ([args.report_to] if isinstance(args.report_to, str) else args.report_to or [])
-                     if r != "none"]  # fmt: skip
+        report_to = [args.report_to] if isinstance(args.report_to, str) else args.report_to or []
+        reporters = [r for r in report_to if r != "none"]
         if reporters and not self.installed:
             warnings.warn(
                 f"MidxCallback was not placed with MidxCallback.install(trainer), so the reporting integrations "
@@ -152,7 +149,7 @@ class MidxCallback(TrainerCallback):
         seed = config.seed + args.process_index  # all ranks share rank 0's index; each draws its own negatives
         if state.global_step == 0:
             broadcast_sampler(head, seed=seed)
-            self.last_refresh_step = -1
+        self.last_refresh_step = -1
         self.codebooks = CodebookTraining(head.sampler_state(), config) if config.codebooks == "learned" else None
         if state.global_step > 0:
             candidates = [self.resume_from_checkpoint, getattr(args, "resume_from_checkpoint", None),
@@ -165,7 +162,7 @@ class MidxCallback(TrainerCallback):
         self.resume_from_checkpoint = None
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.head is not None:
+        if self.head is not None:  # the host binding warns again of a training call without a schedule
             self.head.step_data.scheduled = False
 
     def on_epoch_begin(self, args, state, control, **kwargs):
@@ -238,7 +235,7 @@ class MidxCallback(TrainerCallback):
         self._saved_folder = os.path.abspath(folder)
 
     def check_finite(self, state) -> None:
-        """:class:`MidxNonFiniteError` naming the step and tensor if NaN/Inf appeared since the last check (one sync)."""
+        """:class:`MidxNonFiniteError` naming the step and tensor if NaN/Inf came since the last check (one sync)."""
         self._nonfinite.check(self.head, state)
 
     # ------------------------------------------------------------------ internals
@@ -291,7 +288,8 @@ class MidxCallback(TrainerCallback):
             if head is None:
                 return create_model_card(**card_args)
             if trainer.is_world_process_zero():
-                write_model_card(trainer, trainer.args.output_dir, head.config, num_classes=head.num_classes, **card_args)
+                output_dir = trainer.args.output_dir
+                write_model_card(trainer, output_dir, head.config, num_classes=head.num_classes, **card_args)
 
         save_model_with_midx.midx_wrapped = True
         trainer.save_model, trainer.create_model_card = save_model_with_midx, create_midx_model_card

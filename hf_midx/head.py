@@ -353,7 +353,7 @@ class MidxLMHead(nn.Module):
         self.sampler.set_codebooks(codebooks, weight.detach())
 
     def proposal_diagnostics(self, queries: torch.Tensor, weight: torch.Tensor, bias=None) -> dict[str, torch.Tensor]:
-        """:func:`hf_midx.proposal_diagnostics` of the sampler on (N, D) hidden states, scaled as the loss scales them."""
+        """:func:`hf_midx.proposal_diagnostics` of the sampler on (N, D) hidden states, scaled as in the loss."""
         scale = self.logit_scale
         return proposal_diagnostics(
             self.sampler, queries.to(weight.device) * scale, weight, None if bias is None else bias * scale,

@@ -1,7 +1,8 @@
 """Model cards for models trained with MIDX: transformers' metadata plus the MIDX training facts.
 
 The template is ``model_cards/midx_model_card.md`` at the repository's top level (the one copy), shipped
-inside the package as ``hf_midx.model_cards`` (see pyproject.toml) and rendered with ``huggingface_hub.ModelCard.from_template``.
+inside the package as ``hf_midx.model_cards`` (see pyproject.toml) and rendered with
+``huggingface_hub.ModelCard.from_template``.
 A Trainer with :meth:`hf_midx.MidxCallback.install` (MidxTrainer too) writes the card as ``README.md`` from
 ``save_model``, ``create_model_card`` and ``push_to_hub`` through :func:`write_model_card`;
 :func:`render_model_card` is usable on its own.

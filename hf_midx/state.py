@@ -244,9 +244,10 @@ def find_resume_folder(candidates: list, step: int) -> str:
                 if json.load(f).get("global_step") != step:
                     continue
         return folder
+    looked = [os.fspath(c) for c in candidates if isinstance(c, (str, os.PathLike))]
     raise ValueError(
         f"Training resumes at step {step}, but MidxCallback found no checkpoint folder of that step with "
-        f"{MIDX_STATE_NAME} (looked at {[os.fspath(c) for c in candidates if isinstance(c, (str, os.PathLike))]}); pass the folder given to "
+        f"{MIDX_STATE_NAME} (looked at {looked}); pass the folder given to "
         "train(resume_from_checkpoint=...) to MidxCallback(resume_from_checkpoint=...) or "
         "MidxCallback.install(trainer, resume_from_checkpoint=...)."
     )
