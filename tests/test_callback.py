@@ -363,3 +363,22 @@ def test_plain_trainer_save_model_writes_midx_config_and_card(tmp_path):
     again = MidxCallback.install(trainer)  # a second install wraps save_model once
     assert again is next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MidxCallback))
     assert not getattr(trainer.save_model.__wrapped__, "midx_wrapped", False)
+
+
+@pytest.mark.parametrize("name", sorted(hf_midx.SAMPLERS))
+def test_every_sampler_state_tells_its_device_and_reloads_with_a_new_seed(name):
+    """The callback reads the sampler only through the head's sampler_state / load_sampler_state: the state
+    names the sampler's device (to rebuild it where a moved weight lives) and takes another generator state."""
+    from types import SimpleNamespace
+
+    from hf_midx.distributed import broadcast_sampler, sampler_device
+    from hf_midx.state import GENERATOR_KEY
+
+    sampler = hf_midx.build_sampler(name, torch.randn(64, 8), codebook_size=4, class_counts=torch.arange(1.0, 65.0))
+    head = SimpleNamespace(sampler_state=sampler.state_dict, load_sampler_state=sampler.load_state_dict)
+    assert sampler_device(head) == torch.device("cpu")
+    tables = {k: v.clone() for k, v in sampler.state_dict().items() if k != GENERATOR_KEY}
+    broadcast_sampler(head, seed=123)  # one process: keeps the tables, restarts the generator from the seed
+    after = sampler.state_dict()
+    assert all(torch.equal(tables[k], after[k]) for k in tables)
+    assert torch.equal(after[GENERATOR_KEY], hf_midx.CounterRNG(123).get_state())
