@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MidxConfig
+from .diagnostics import proposal_diagnostics
 from .loss import full_softmax_loss, sampled_softmax_loss
 from .samplers import Sampler, build_sampler
 from .samplers.base import check_counts
@@ -335,6 +336,29 @@ class MidxLMHead(nn.Module):
     def find(model: nn.Module) -> "MidxLMHead | None":
         """Deprecated alias of :func:`find_head`; kept for one release."""
         return find_head(model)
+
+    # ------------------------------------------------------------------ the sampler, for hf_midx.callback
+    # The schedule (callback, distributed, learned codebooks) reaches the sampler only through these.
+    def sampler_state(self) -> dict[str, torch.Tensor]:
+        """The sampler's tensors (``Sampler.state_dict``: its tables, sizes and ``generator_state``)."""
+        return self.sampler.state_dict()
+
+    def load_sampler_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load :meth:`sampler_state` tensors (``generator_state`` optional); ValueError on another layout."""
+        self.sampler.load_state_dict(state)
+
+    @torch.no_grad()
+    def set_codebooks(self, codebooks: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor) -> None:
+        """Rebuild a MIDX index with the given (K, D1), (K, D2) codebooks from the full (V, D) ``weight``."""
+        self.sampler.set_codebooks(codebooks, weight.detach())
+
+    def proposal_diagnostics(self, queries: torch.Tensor, weight: torch.Tensor, bias=None) -> dict[str, torch.Tensor]:
+        """:func:`hf_midx.proposal_diagnostics` of the sampler on (N, D) hidden states, scaled as in the loss."""
+        scale = self.logit_scale
+        return proposal_diagnostics(
+            self.sampler, queries.to(weight.device) * scale, weight, None if bias is None else bias * scale,
+            num_samples=self.config.num_samples, logit_softcap=self.logit_softcap,
+        )
 
 
 def exact_head_ids(config: MidxConfig, class_counts, num_classes: int) -> torch.Tensor | None:

@@ -1,9 +1,11 @@
 """Model cards for models trained with MIDX: transformers' metadata plus the MIDX training facts.
 
 The template is ``model_cards/midx_model_card.md`` at the repository's top level (the one copy), shipped
-inside the package as ``hf_midx.model_cards`` (see pyproject.toml) and rendered with ``huggingface_hub.ModelCard.from_template``.
-:class:`hf_midx.MidxTrainer` writes the card as ``README.md`` from ``save_model``, ``create_model_card`` and
-``push_to_hub``; :func:`render_model_card` is usable on its own.
+inside the package as ``hf_midx.model_cards`` (see pyproject.toml) and rendered with
+``huggingface_hub.ModelCard.from_template``.
+A Trainer with :meth:`hf_midx.MidxCallback.install` (MidxTrainer too) writes the card as ``README.md`` from
+``save_model``, ``create_model_card`` and ``push_to_hub`` through :func:`write_model_card`;
+:func:`render_model_card` is usable on its own.
 
 The metadata are ``huggingface_hub.ModelCardData`` fields, as on Hub cards: ``datasets`` (Hub dataset ids),
 ``metrics`` and the ``model-index`` evaluation results (:class:`huggingface_hub.EvalResult`), by default the
@@ -24,6 +26,7 @@ from ._io import atomic_write
 from .config import EXACT_HEAD_FRACTION, MidxConfig
 from .loss import drops_accidental_hits
 from .samplers import SAMPLERS
+from .state import index_quantizer
 from .version import __version__, versions
 
 
@@ -51,6 +54,16 @@ _THROUGHPUT_KEYS = {
     "train_steps_per_second": "Training throughput (optimizer steps/s)",
     "train_runtime": "Training time (s)",
 }
+
+
+#: Above this loss (nats) exp() is reported as inf rather than overflowing float64 (exp(709.8) is its largest).
+_PERPLEXITY_CUTOFF = 700.0
+
+
+def perplexity(loss: float) -> float:
+    """exp(``loss``), inf above :data:`_PERPLEXITY_CUTOFF` nats; NaN stays NaN."""
+    loss = float(loss)
+    return math.inf if loss >= _PERPLEXITY_CUTOFF else math.exp(loss)
 
 
 def _round(value: float, digits: int = 4) -> float | str:
@@ -82,8 +95,12 @@ def midx_training_facts(
     log_history: Iterable[Mapping[str, Any]] = (),
     *,
     num_classes: int | None = None,
+    tokenizer_size: int | None = None,
 ) -> dict[str, Any]:
     """The MIDX facts a card reports, from the config and a Trainer's ``state.log_history``.
+
+    ``num_classes`` is V, the LM head's rows; ``tokenizer_size`` the tokenizer's length, shown beside V when
+    they differ (models often pad V to a multiple of 64 or more).
 
     Returns a dict with the sampler settings, the refresh schedule, the last exact evaluation
     (``eval_loss`` / ``eval_perplexity``, None if never evaluated), the logged KL and refresh times,
@@ -92,7 +109,7 @@ def midx_training_facts(
     history = list(log_history)
     is_midx = config.sampler.startswith("midx")
     own = SAMPLERS[config.sampler].options  # the fields this sampler reads (midx-exact: no mixture, no last stage)
-    quantizer = config.sampler_options.get("quantizer", "pq" if config.sampler == "midx-pq" else "rq")
+    quantizer = index_quantizer(config)
     eval_entries = [e for e in history if "eval_loss" in e]
     last_eval = eval_entries[-1] if eval_entries else None
     eval_loss = None if last_eval is None else last_eval["eval_loss"]
@@ -100,7 +117,7 @@ def midx_training_facts(
     if last_eval is not None:
         eval_ppl = last_eval.get("eval_perplexity")
         if eval_ppl is None:
-            eval_ppl = math.inf if eval_loss >= 700 else math.exp(eval_loss)  # NaN stays NaN
+            eval_ppl = perplexity(eval_loss)
     kls = [e["midx/kl"] for e in history if "midx/kl" in e]
     refresh_times = [e["midx/refresh_seconds"] for e in history if "midx/refresh_seconds" in e]
     final = next((e for e in reversed(history) if "train_runtime" in e), {})
@@ -144,6 +161,7 @@ def midx_training_facts(
         "refresh_every_epoch": config.refresh_every_epoch,
         "refresh_schedule": _refresh_schedule(config),
         "num_classes": num_classes,
+        "tokenizer_size": tokenizer_size if tokenizer_size not in (None, num_classes) else None,
         "eval_loss": _round(eval_loss),
         "eval_perplexity": _round(eval_ppl),
         "kl_first": _round(kls[0]) if kls else None,
@@ -193,11 +211,13 @@ def render_model_card(
     metadata: Mapping[str, Any] | None = None,
     model_name: str | None = None,
     base_model: str | None = None,
+    base_model_path: str | None = None,
     tags: Iterable[str] = (),
     hyperparameters: Mapping[str, Any] | None = None,
     eval_table: str | None = None,
     log_history: Iterable[Mapping[str, Any]] = (),
     num_classes: int | None = None,
+    tokenizer_size: int | None = None,
     library_name: str = "transformers",
     template_path: str | os.PathLike | None = None,
     dataset_name: str | None = None,
@@ -215,11 +235,12 @@ def render_model_card(
             from the argument of that name; ``pipeline_tag`` defaults to "text-generation".
         model_name: the card's title.
         base_model: the Hub id the model was fine-tuned from, if any (overrides ``metadata["base_model"]``).
+        base_model_path: the local folder it was fine-tuned from, named in the text (not in the metadata).
         tags: extra tags; :data:`DEFAULT_TAGS` and the sampler's name are always added.
         hyperparameters: name -> value, listed under "Training hyperparameters".
         eval_table: a Markdown table of the evaluations during training.
         log_history: a Trainer's ``state.log_history`` (for eval perplexity, KL, refresh times, throughput).
-        num_classes: the vocabulary size V.
+        num_classes: V, the LM head's rows. tokenizer_size: the tokenizer's length, shown beside V if it differs.
         library_name: "transformers" for a full model, "peft" for an adapter saved by a PEFT model.
         template_path: another Jinja template (default :data:`TEMPLATE_PATH`).
         dataset_name: the training data, named in the text (a Hub dataset's name or a description without
@@ -237,7 +258,7 @@ def render_model_card(
     from huggingface_hub import ModelCard, ModelCardData
 
     meta = dict(metadata or {})
-    facts = midx_training_facts(config, log_history, num_classes=num_classes)
+    facts = midx_training_facts(config, log_history, num_classes=num_classes, tokenizer_size=tokenizer_size)
     if throughput is not None:
         facts["throughput"] = dict(throughput)
     if dataset_name is None:
@@ -267,6 +288,7 @@ def render_model_card(
         template_path=str(template_path or TEMPLATE_PATH),
         model_name=model_name,
         base_model=base_model,
+        base_model_path=None if base_model else base_model_path,
         dataset_name=dataset_name,
         command=command,
         midx=facts,
@@ -300,6 +322,80 @@ def extend_model_card(card, *, eval_results: Sequence[Any] | None = None, sectio
     for section in sections:
         card.text = card.text.rstrip("\n") + "\n\n" + section.strip("\n") + "\n"
     return card
+
+
+#: The render_model_card arguments that a trainer's ``model_card_extras`` may set.
+CARD_EXTRAS = ("eval_results", "sections", "throughput", "command", "dataset_name")
+
+
+def base_model_of(name_or_path: str | None) -> tuple[str | None, str | None]:
+    """(Hub id, None) or (None, local path) for a model's ``name_or_path``; (None, None) when it has none."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not name_or_path:
+        return None, None
+    if os.path.exists(name_or_path):
+        return None, name_or_path
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError:
+        return None, name_or_path  # a path that is gone: still not a Hub id
+    return name_or_path, None
+
+
+def write_model_card(trainer, output_dir: str, config: MidxConfig, *, num_classes: int, **card_args) -> str:
+    """Write the MIDX model card of ``trainer``'s run into ``output_dir/README.md`` (atomically); returns its path.
+
+    The card names the base model: a Hub id (``base_model`` metadata and a link) or a local folder (in the text),
+    from the model's ``config.name_or_path`` (a PEFT adapter's ``base_model_name_or_path``); V (``num_classes``,
+    the head's rows) with the tokenizer's length beside it when ``trainer.processing_class`` has another.
+
+    Args:
+        trainer: any ``transformers.Trainer``; its ``model_card_extras`` (if it has them) go into the card.
+        output_dir: the folder to write to. config: the head's :class:`~hf_midx.MidxConfig`.
+        num_classes: V, the LM head's rows.
+        **card_args: the keyword arguments of ``Trainer.create_model_card`` (``language``, ``license``, ``tags``,
+            ``model_name``, ``finetuned_from``, ``tasks``, ``dataset_tags``, ``dataset``, ``dataset_args``);
+            ``dataset`` names the data in the text.
+    Raises:
+        ValueError: ``model_card_extras`` holds a key other than :data:`CARD_EXTRAS`.
+    """
+    from transformers.modelcard import TrainingSummary, make_markdown_table
+
+    extras = dict(getattr(trainer, "model_card_extras", None) or {})
+    unknown = sorted(set(extras) - set(CARD_EXTRAS))
+    if unknown:
+        raise ValueError(f"model_card_extras has unknown keys {unknown}; allowed: {', '.join(CARD_EXTRAS)}.")
+    if isinstance(card_args.get("dataset"), str):
+        extras.setdefault("dataset_name", card_args["dataset"])
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    peft_config = getattr(model, "peft_config", None)  # a PEFT model saves an adapter, not a full model
+    if isinstance(peft_config, dict) and peft_config:
+        name = getattr(next(iter(peft_config.values())), "base_model_name_or_path", None)
+    else:
+        name = getattr(getattr(model, "config", None), "name_or_path", None) or getattr(model, "name_or_path", None)
+    hub_id, local_path = base_model_of(card_args.pop("finetuned_from", None) or name)
+    tags = card_args.pop("tags", None)
+    tags = [tags] if isinstance(tags, str) else list(tags or [])
+    # finetuned_from given: transformers would otherwise take any name that is not a folder for a Hub id.
+    summary = TrainingSummary.from_trainer(trainer, tags=tags, finetuned_from=hub_id or "", **card_args)
+    tokenizer = getattr(trainer, "processing_class", None)
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor holds its tokenizer
+    card = render_model_card(
+        config,
+        metadata=summary.create_metadata(),
+        library_name="peft" if peft_config else "transformers",
+        base_model=hub_id,
+        base_model_path=local_path,
+        model_name=summary.model_name,
+        hyperparameters=summary.hyperparameters,
+        eval_table=make_markdown_table(summary.eval_lines),
+        log_history=trainer.state.log_history,
+        num_classes=num_classes,
+        tokenizer_size=len(tokenizer) if callable(getattr(tokenizer, "__len__", None)) else None,
+        **extras,
+    )
+    return save_model_card(card, output_dir)
 
 
 def save_model_card(card, directory: str | os.PathLike, filename: str = "README.md") -> str:

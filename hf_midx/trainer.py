@@ -9,10 +9,9 @@ checks) is :class:`~hf_midx.MidxCallback`, which works with any Trainer; checkpo
 * a check of the checkpoint's MIDX state before ``train(resume_from_checkpoint=...)`` loads anything,
   and that folder handed to the callback;
 * ``train_tokens_per_second`` in the final metrics, counted on the device (no sync per micro-batch);
-* the MIDX sampler state written by ``save_model`` into a checkpoint folder, before the Trainer's
-  optimizer and state files (so a checkpoint pushed to the Hub holds it), and a MIDX model card plus
-  ``midx_config.json`` from ``save_model`` / ``push_to_hub``, with what :attr:`MidxTrainer.model_card_extras`
-  adds (a script's final results: model-index entries, Markdown sections).
+* :attr:`MidxTrainer.model_card_extras`, what a script adds to the MIDX card (final results: model-index
+  entries, Markdown sections). The card and ``midx_config.json`` themselves come with the callback's
+  :meth:`~hf_midx.MidxCallback.install`, as for any Trainer.
 
 Only public Trainer methods are overridden. The token count of the gradient-accumulation
 normalization over ``labels[..., 1:]`` comes from the wrapped model's ``loss_type``
@@ -23,24 +22,21 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import os
 from typing import Any
 
 import torch
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import get_last_checkpoint
 
-from . import model_card as _model_card
-from .callback import MidxCallback, MidxNonFiniteError, refuse_data_parallel
+from .callback import MidxCallback, MidxNonFiniteError
+from .checkpoint import read_head_state
 from .codebooks import LearnableCodebooks
 from .config import MidxConfig
+from .distributed import refuse_data_parallel
 from .head import MidxLMHead, find_head
-from .state import MIDX_RNG_STATE_NAME, MIDX_STATE_NAME, read_state
-
-
-def _perplexity(loss: float) -> float:
-    return math.exp(loss) if loss < 700 else math.inf
+from .model_card import CARD_EXTRAS, perplexity, write_model_card
+from .state import MIDX_RNG_STATE_NAME, MIDX_STATE_NAME
 
 
 class PerplexityMixin:
@@ -63,7 +59,7 @@ class PerplexityMixin:
         )
         loss = output.metrics.get(f"{metric_key_prefix}_loss")
         if loss is not None:
-            output.metrics[f"{metric_key_prefix}_perplexity"] = _perplexity(float(loss))
+            output.metrics[f"{metric_key_prefix}_perplexity"] = perplexity(loss)
         return output
 
 
@@ -112,7 +108,7 @@ class MidxTrainer(PerplexityMixin, Trainer):
     @property
     def codebook_learner(self) -> LearnableCodebooks | None:
         """The learned codebooks (``codebooks="learned"``, during and after training), else None."""
-        return self.midx_callback.codebook_learner
+        return None if self.midx_callback.codebooks is None else self.midx_callback.codebooks.learner
 
     def refresh_index(self) -> float:
         """Rebuild the index from the current head weight now (collective); returns the seconds it took.
@@ -132,8 +128,8 @@ class MidxTrainer(PerplexityMixin, Trainer):
             ValueError: no MIDX state (a plain Trainer's checkpoint), or one made for another vocabulary,
                 hidden size, sampler, codebook size, quantizer or codebook mode, or another number of processes.
         """
-        read_state(os.fspath(checkpoint), self.midx_head, rank=self.args.process_index,
-                   world_size=self.args.world_size)  # fmt: skip
+        read_head_state(os.fspath(checkpoint), self.midx_head, rank=self.args.process_index,
+                        world_size=self.args.world_size)  # fmt: skip
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         """``Trainer.train``; a MIDX checkpoint is checked against the model before anything is loaded
@@ -174,26 +170,6 @@ class MidxTrainer(PerplexityMixin, Trainer):
             logs["train_tokens_per_second"] = round(tokens / max(logs["train_runtime"], 1e-9), 3)
         super().log(logs, start_time)
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """``Trainer.save_model`` (a plain transformers model) plus ``midx_config.json``; into this step's
-        checkpoint folder also the MIDX state (every process); when called by the user, a MIDX card."""
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        if self.midx_callback.head is not None and os.path.basename(os.path.normpath(output_dir)) == checkpoint:
-            # A checkpoint's model comes first, then the Trainer's files, then the push: the state is in it.
-            self.midx_callback.save(output_dir, self.args)
-        super().save_model(output_dir, _internal_call=_internal_call)
-        if self.args.should_save:
-            self.midx_config.save_pretrained(output_dir)
-            if not _internal_call:
-                write_model_card(self, output_dir)
-
-    def create_model_card(self, **card_args) -> None:
-        """Write the MIDX model card to ``args.output_dir/README.md`` (``push_to_hub`` calls this); the
-        keyword arguments of ``Trainer.create_model_card`` (see :func:`write_model_card`)."""
-        if self.is_world_process_zero():
-            write_model_card(self, self.args.output_dir, **card_args)
-
 
 def _head_of(trainer: MidxTrainer) -> MidxLMHead:
     """The trainer's MidxLMHead, looked up through accelerate's wrappers too; ValueError without one."""
@@ -208,58 +184,8 @@ def _head_of(trainer: MidxTrainer) -> MidxLMHead:
     return head
 
 
-#: The render_model_card arguments that MidxTrainer.model_card_extras may set.
-CARD_EXTRAS = ("eval_results", "sections", "throughput", "command", "dataset_name")
-
-
-def write_model_card(trainer: MidxTrainer, output_dir: str, **card_args) -> str:
-    """Write a MidxTrainer's model card into ``output_dir/README.md`` (atomically); returns its path.
-
-    Args:
-        trainer: the trainer whose run the card describes; its ``model_card_extras`` go into the card.
-        output_dir: the folder to write to.
-        **card_args: the keyword arguments of ``Trainer.create_model_card`` (``language``, ``license``,
-            ``tags``, ``model_name``, ``finetuned_from``, ``tasks``, ``dataset_tags``, ``dataset``,
-            ``dataset_args``); the card holds transformers' metadata and hyperparameters plus the MIDX
-            training facts (see :func:`hf_midx.model_card.render_model_card`). ``dataset`` names the data
-            in the text.
-    Raises:
-        ValueError: ``model_card_extras`` holds a key other than :data:`CARD_EXTRAS`.
-    """
-    from transformers.modelcard import TrainingSummary, make_markdown_table
-
-    extras = dict(getattr(trainer, "model_card_extras", None) or {})
-    unknown = sorted(set(extras) - set(CARD_EXTRAS))
-    if unknown:
-        raise ValueError(f"model_card_extras has unknown keys {unknown}; allowed: {', '.join(CARD_EXTRAS)}.")
-    if isinstance(card_args.get("dataset"), str):
-        extras.setdefault("dataset_name", card_args["dataset"])
-    tags = card_args.pop("tags", None)
-    tags = [tags] if isinstance(tags, str) else list(tags or [])
-    summary = TrainingSummary.from_trainer(trainer, tags=tags, **card_args)
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    peft_config = getattr(model, "peft_config", None)  # a PEFT model saves an adapter, not a full model
-    base_model = None
-    if isinstance(peft_config, dict) and peft_config:
-        base_model = getattr(next(iter(peft_config.values())), "base_model_name_or_path", None)
-        if base_model and os.path.isdir(base_model):
-            base_model = None
-    card = _model_card.render_model_card(
-        trainer.midx_config,
-        metadata=summary.create_metadata(),
-        library_name="peft" if peft_config else "transformers",
-        base_model=base_model,
-        model_name=summary.model_name,
-        hyperparameters=summary.hyperparameters,
-        eval_table=make_markdown_table(summary.eval_lines),
-        log_history=trainer.state.log_history,
-        num_classes=trainer.midx_head.num_classes,
-        **extras,
-    )
-    return _model_card.save_model_card(card, output_dir)
-
-
 __all__ = [
+    "CARD_EXTRAS",
     "MIDX_RNG_STATE_NAME",
     "MIDX_STATE_NAME",
     "MidxNonFiniteError",

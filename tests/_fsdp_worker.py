@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 from recipes.lm_recipe import end_process_group  # noqa: E402
 from _models import markov_batches, tiny_model  # noqa: E402
 from hf_midx import MidxConfig, MidxLMHead, refresh_index  # noqa: E402
-from hf_midx.callback import full_head_weight  # noqa: E402
+from hf_midx.distributed import full_head_weight  # noqa: E402
 
 
 def gathered_equal(tensor: torch.Tensor) -> bool:

@@ -45,7 +45,7 @@ def _per_step(trainer, key, after=0):
     return {e["step"]: e[key] for e in trainer.state.log_history if key in e and e["step"] > after}
 
 
-def test_plain_trainer_refreshes_logs_checkpoints_and_resumes_identically(tmp_path):
+def test_plain_trainer_refreshes_logs_checkpoints_and_resumes_identically(tmp_path, caplog):
     full, recorder = _plain_trainer(tmp_path / "full")
     head = MidxLMHead.find(full.model)
     calls = []
@@ -80,7 +80,10 @@ def test_plain_trainer_refreshes_logs_checkpoints_and_resumes_identically(tmp_pa
 
     # A checkpoint outside the resumed run's output_dir: the callback is told where it is.
     resumed, _ = _plain_trainer(tmp_path / "resumed", resume_from_checkpoint=checkpoint)
-    resumed.train(resume_from_checkpoint=str(checkpoint))
+    with caplog.at_level("WARNING", logger="hf_midx"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    # transformers' "missing keys ['lm_head.weight']" of a tied model gets one line of ours.
+    assert [r for r in caplog.records if "tied to the input embeddings" in r.getMessage()]
     for key in ("loss", "midx/kl", "midx/train_loss_exact", "grad_norm"):
         a, b = _per_step(full, key, after=4), _per_step(resumed, key, after=4)
         assert a.keys() == b.keys() and a, key
@@ -342,3 +345,40 @@ def test_a_callback_not_installed_says_the_reporters_may_miss_its_keys(tmp_path)
     trainer.args.report_to = ["wandb"]  # as if the integration were installed (the reporters are already built)
     with pytest.warns(UserWarning, match=r"\['wandb'\] may run before it.*MidxCallback.install\(trainer\)"):
         trainer.train()
+
+
+def test_plain_trainer_save_model_writes_midx_config_and_card(tmp_path):
+    """Issue 39: a plain Trainer with MidxCallback.install saves midx_config.json and the MIDX card with the model,
+    into output_dir and into any folder given to save_model; checkpoints get no card."""
+    trainer, _ = _plain_trainer(tmp_path / "run", max_steps=4)
+    trainer.train()
+    assert not os.path.exists(tmp_path / "run" / "checkpoint-4" / "README.md")
+    for folder in (None, tmp_path / "elsewhere"):
+        trainer.save_model(None if folder is None else str(folder))
+        folder = folder or tmp_path / "run"
+        assert {"midx_config.json", "README.md", "model.safetensors"} <= set(os.listdir(folder)), folder
+        assert MidxConfig.from_pretrained(str(folder)).codebook_size == 8
+        card = (folder / "README.md").read_text()
+        assert "| Sampler | `midx-rq` |" in card and "trained from scratch" in card
+    again = MidxCallback.install(trainer)  # a second install wraps save_model once
+    assert again is next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MidxCallback))
+    assert not getattr(trainer.save_model.__wrapped__, "midx_wrapped", False)
+
+
+@pytest.mark.parametrize("name", sorted(hf_midx.SAMPLERS))
+def test_every_sampler_state_tells_its_device_and_reloads_with_a_new_seed(name):
+    """The callback reads the sampler only through the head's sampler_state / load_sampler_state: the state
+    names the sampler's device (to rebuild it where a moved weight lives) and takes another generator state."""
+    from types import SimpleNamespace
+
+    from hf_midx.distributed import broadcast_sampler, sampler_device
+    from hf_midx.state import GENERATOR_KEY
+
+    sampler = hf_midx.build_sampler(name, torch.randn(64, 8), codebook_size=4, class_counts=torch.arange(1.0, 65.0))
+    head = SimpleNamespace(sampler_state=sampler.state_dict, load_sampler_state=sampler.load_state_dict)
+    assert sampler_device(head) == torch.device("cpu")
+    tables = {k: v.clone() for k, v in sampler.state_dict().items() if k != GENERATOR_KEY}
+    broadcast_sampler(head, seed=123)  # one process: keeps the tables, restarts the generator from the seed
+    after = sampler.state_dict()
+    assert all(torch.equal(tables[k], after[k]) for k in tables)
+    assert torch.equal(after[GENERATOR_KEY], hf_midx.CounterRNG(123).get_state())

@@ -412,6 +412,58 @@ def test_model_card_extras_add_results_and_sections(tmp_path):
         trainer.create_model_card()
 
 
+class FakeTokenizer:
+    """A processing_class with a length (the tokenizer's vocabulary) and nothing to save."""
+
+    def __len__(self) -> int:
+        return VOCAB - 6
+
+    def save_pretrained(self, folder, **kwargs):
+        return ()
+
+
+def test_card_names_a_local_base_model_and_the_tokenizer_size(tmp_path):
+    """Issue 39: a model fine-tuned from a local folder is not "trained from scratch"; V is the head's rows, with
+    the tokenizer's size beside it when they differ."""
+    base = tmp_path / "my-base"
+    base.mkdir()
+    model = wrapped_model()
+    model.config.name_or_path = str(base)  # as from_pretrained(local folder) sets it
+    args = training_args(tmp_path / "run", max_steps=2)
+    trainer = MidxTrainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(16)),
+                          processing_class=FakeTokenizer())  # fmt: skip
+    trainer.train()
+    trainer.save_model()
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert f"fine-tuned version of the local model `{base}`" in card and "from scratch" not in card
+    assert "base_model:" not in card  # a local folder is no Hub id
+    assert f"| Vocabulary (V, the LM head's rows) | {VOCAB} (the tokenizer has {VOCAB - 6} tokens) |" in card
+
+
+def test_card_base_model_of_hub_ids_and_paths(tmp_path):
+    from hf_midx.model_card import base_model_of
+
+    assert base_model_of("openai-community/gpt2") == ("openai-community/gpt2", None)
+    assert base_model_of("gpt2") == ("gpt2", None)
+    assert base_model_of(str(tmp_path)) == (None, str(tmp_path))
+    assert base_model_of("/no/such/folder/model") == (None, "/no/such/folder/model")
+    assert base_model_of("") == (None, None) and base_model_of(None) == (None, None)
+
+
+def test_the_perplexity_cutoff_is_one_setting(tmp_path, monkeypatch):
+    """Issue 38: the evaluation metric and the card read one cutoff (hf_midx.model_card); NaN stays NaN."""
+    import hf_midx.model_card as card
+    from hf_midx.model_card import midx_training_facts, perplexity
+
+    assert perplexity(2.0) == math.exp(2.0) and perplexity(1e4) == math.inf and math.isnan(perplexity(math.nan))
+    monkeypatch.setattr(card, "_PERPLEXITY_CUTOFF", 1.0)
+    trainer = MidxTrainer(model=wrapped_model(), args=training_args(tmp_path),
+                          eval_dataset=RowsDataset(eval_rows(8)))  # fmt: skip
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] > 1.0 and metrics["eval_perplexity"] == math.inf
+    assert midx_training_facts(MidxConfig(), [{"eval_loss": 1.5}])["eval_perplexity"] == "inf"
+
+
 # ------------------------------------------------------------------------------------- errors
 def test_requires_a_wrapped_model(tmp_path):
     with pytest.raises(ValueError, match=r"hf_midx\.wrap\(model, \.\.\.\) first"):
