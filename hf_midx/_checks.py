@@ -48,3 +48,8 @@ def check_ids(name: str, ids: torch.Tensor, num_classes: int, *, ignore_index: i
         bad = lo if lo < 0 else hi
         extra = "" if ignore_index is None else f" (or {ignore_index} to ignore a position)"
         raise ValueError(f"{name} contains {bad}, outside [0, {num_classes}){extra}; check the tokenizer and vocab size.")
+
+
+def is_number(value) -> bool:
+    """True for an int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

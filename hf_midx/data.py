@@ -1,4 +1,4 @@
-"""Training-token counts: the ``class_counts`` that ``MidxLMHead.wrap`` takes.
+"""Training-token counts: the ``class_counts`` that ``hf_midx.wrap`` takes.
 
 The exact head (the most frequent classes scored exactly), the unigram half of the default mixture and
 the unigram / log-uniform samplers all rank classes by how often they occur as training tokens. This
@@ -22,7 +22,7 @@ _CHUNK_ROWS = 1024
 
 
 def token_counts(data: Any, vocab_size: int, *, column: str = "input_ids") -> torch.Tensor:
-    """(V,) int64 count of each token id in ``data``: the ``class_counts`` of ``MidxLMHead.wrap``.
+    """(V,) int64 count of each token id in ``data``: the ``class_counts`` of ``hf_midx.wrap``.
 
     Args:
         data: the training token ids, as one of

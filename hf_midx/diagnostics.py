@@ -31,7 +31,8 @@ import math
 
 import torch
 
-from ._checks import check_ids, check_matrix, check_positive_int
+from ._checks import check_ids, check_matrix, check_positive_int, is_number
+from .loss import soft_cap
 from .rng import CounterRNG
 from .samplers.base import Sampler, row_chunks
 
@@ -48,9 +49,7 @@ def _log_softmax(
     logits = q @ w.t()
     if bias is not None:
         logits = logits + bias
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    return torch.log_softmax(logits, dim=1)
+    return torch.log_softmax(soft_cap(logits, softcap), dim=1)
 
 
 def kl_to_softmax(
@@ -111,7 +110,7 @@ def proposal_diagnostics(
     if weight.shape[0] != sampler.num_classes:
         raise ValueError(f"weight has {weight.shape[0]} rows but the sampler covers V={sampler.num_classes} classes.")
     check_positive_int("num_samples", num_samples)
-    if logit_softcap is not None and not (isinstance(logit_softcap, (int, float)) and logit_softcap > 0):
+    if logit_softcap is not None and not (is_number(logit_softcap) and logit_softcap > 0):
         raise ValueError(f"logit_softcap must be a positive number or None, got {logit_softcap!r}.")
     if exact_ids is None:
         exact_ids = sampler.excluded

@@ -97,8 +97,13 @@ class _CandidateLogits(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def _softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` (Gemma-2's ``final_logit_softcapping``), any shape and dtype; ``logits`` when
+    ``cap`` is None."""
     return logits if cap is None else cap * torch.tanh(logits / cap)
+
+
+_softcap = soft_cap  # the name this module's losses call it by
 
 
 def _validate(hidden, weight, labels, bias, ignore_index, reduction, check_labels):

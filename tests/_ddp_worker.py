@@ -24,7 +24,9 @@ from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
 from recipes.lm_recipe import end_process_group  # noqa: E402
 from _models import markov_batches, tiny_model  # noqa: E402
-from hf_midx import MidxConfig, MidxLMHead  # noqa: E402
+import hf_midx  # noqa: E402
+from hf_midx import MidxConfig  # noqa: E402
+from hf_midx.head import find_head  # noqa: E402
 from hf_midx import MidxTrainer  # noqa: E402
 
 VOCAB, SEQ = 256, 16
@@ -114,8 +116,8 @@ def main(out_dir: str) -> None:
         refresh_every_steps=2,
         codebook_learning_rate=0.01,
     )
-    MidxLMHead.wrap(model, config)
-    built_equal = gathered_equal(MidxLMHead.find(model).sampler.index.codes)
+    hf_midx.wrap(model, config)
+    built_equal = gathered_equal(find_head(model).sampler.index.codes)
 
     rows = torch.cat(markov_batches(VOCAB, 64, SEQ, 1, seed=1))
     compare = CompareAfterRefresh()

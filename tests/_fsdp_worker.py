@@ -29,7 +29,9 @@ from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
 from recipes.lm_recipe import end_process_group  # noqa: E402
 from _models import markov_batches, tiny_model  # noqa: E402
-from hf_midx import MidxConfig, MidxLMHead, refresh_index  # noqa: E402
+import hf_midx  # noqa: E402
+from hf_midx import MidxConfig, refresh_index  # noqa: E402
+from hf_midx.head import find_head  # noqa: E402
 from hf_midx.distributed import full_head_weight  # noqa: E402
 
 
@@ -53,8 +55,8 @@ def main(out_dir: str) -> None:
     model = tiny_model("llama", seed=0)  # same weights on both ranks; lm_head untied
     vocab = model.config.vocab_size
     full_weight = weakref.ref(model.lm_head.weight)
-    MidxLMHead.wrap(model, MidxConfig(num_samples=24, codebook_size=8, kmeans_iters=5, seed=0))
-    head = MidxLMHead.find(model)
+    hf_midx.wrap(model, MidxConfig(num_samples=24, codebook_size=8, kmeans_iters=5, seed=0))
+    head = find_head(model)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)

@@ -13,7 +13,8 @@ from transformers import Trainer, TrainerCallback
 
 import hf_midx
 from _models import clone_model, tiny_model
-from hf_midx import MidxCallback, MidxConfig, MidxLMHead, refresh_index
+from hf_midx import MidxCallback, MidxConfig, refresh_index
+from hf_midx.head import find_head
 from hf_midx.state import MIDX_RNG_STATE_NAME, MIDX_STATE_NAME
 from test_trainer import VOCAB, RowsDataset, markov_rows, training_args
 
@@ -47,7 +48,7 @@ def _per_step(trainer, key, after=0):
 
 def test_plain_trainer_refreshes_logs_checkpoints_and_resumes_identically(tmp_path, caplog):
     full, recorder = _plain_trainer(tmp_path / "full")
-    head = MidxLMHead.find(full.model)
+    head = find_head(full.model)
     calls = []
     hook = full.model.register_forward_pre_hook(lambda m, a: calls.append(m.training) if m.training else None)
     refreshed = head.sampler.state_dict()["index.codes"].clone()
@@ -91,8 +92,8 @@ def test_plain_trainer_refreshes_logs_checkpoints_and_resumes_identically(tmp_pa
     assert _per_step(resumed, "midx/refresh_seconds", after=4).keys() == {8}
     worst = max(float((p - q).abs().max()) for p, q in zip(full.model.parameters(), resumed.model.parameters()))
     assert worst <= 1e-6, worst
-    s_full = MidxLMHead.find(full.model).sampler.state_dict()
-    s_res = MidxLMHead.find(resumed.model).sampler.state_dict()
+    s_full = find_head(full.model).sampler.state_dict()
+    s_res = find_head(resumed.model).sampler.state_dict()
     assert all(torch.equal(s_full[k], s_res[k]) for k in s_full)
     print(f"[callback resume] steps 5-8 losses {_per_step(resumed, 'loss', after=4)}; max param diff {worst}")
 
@@ -107,7 +108,7 @@ def test_resume_needs_the_midx_state(tmp_path):
 
 
 def test_label_smoothing_is_refused(tmp_path):
-    model = MidxLMHead.wrap(tiny_model("gpt2", vocab_size=VOCAB), num_samples=32, codebook_size=8)
+    model = hf_midx.wrap(tiny_model("gpt2", vocab_size=VOCAB), num_samples=32, codebook_size=8)
     args = training_args(tmp_path, max_steps=2, label_smoothing_factor=0.1)
     trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(16)), callbacks=[MidxCallback()])
     with pytest.raises(ValueError, match="label_smoothing_factor"):
@@ -151,7 +152,7 @@ def test_a_run_that_would_never_refresh_the_index_warns(sampler, every_steps, ep
     config = MidxConfig(
         sampler=sampler, num_samples=16, codebook_size=8, kmeans_iters=2, refresh_every_steps=every_steps
     )
-    model = MidxLMHead.wrap(tiny_model("gpt2", vocab_size=VOCAB), config)
+    model = hf_midx.wrap(tiny_model("gpt2", vocab_size=VOCAB), config)
     args = training_args(tmp_path, max_steps=-1, num_train_epochs=epochs)
     trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(16)), callbacks=[MidxCallback()])
     trainer.train()
@@ -165,8 +166,8 @@ def test_exact_loss_of_the_last_batch_matches_the_model():
     """The logged midx/train_loss_exact: the exact loss of the last sampled call's tokens (llama: no dropout)."""
     model = tiny_model("llama")
     reference = clone_model(model)
-    MidxLMHead.wrap(model, num_samples=24, codebook_size=8, kmeans_iters=5)
-    head = MidxLMHead.find(model)
+    hf_midx.wrap(model, num_samples=24, codebook_size=8, kmeans_iters=5)
+    head = find_head(model)
     assert head.last_batch_exact_loss() is None
     ids = torch.randint(model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     labels = ids.clone()
@@ -190,7 +191,7 @@ def test_logged_coverage_is_of_the_softmax_the_model_trains(arch, tmp_path):
 
     model = tiny_model(arch, vocab_size=VOCAB)
     hf_midx.wrap(model, MidxConfig(num_samples=16, codebook_size=8, kmeans_iters=5))
-    head = MidxLMHead.find(model)
+    head = find_head(model)
     assert (head.logit_scale != 1.0) == (arch == "granite") and (head.logit_softcap is not None) == (arch == "gemma2")
     args = training_args(tmp_path, max_steps=1, logging_steps=1)
     trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(16)), callbacks=[MidxCallback()])
@@ -206,8 +207,8 @@ def test_logged_coverage_is_of_the_softmax_the_model_trains(arch, tmp_path):
 
 
 def test_refresh_index_rebuilds_from_the_current_weight():
-    model = MidxLMHead.wrap(tiny_model("llama"), num_samples=24, codebook_size=8, kmeans_iters=5)
-    head = MidxLMHead.find(model)
+    model = hf_midx.wrap(tiny_model("llama"), num_samples=24, codebook_size=8, kmeans_iters=5)
+    head = find_head(model)
     before = head.sampler.state_dict()["index.codebook1"].clone()
     with torch.no_grad():
         head.weight.mul_(3.0)
@@ -223,7 +224,7 @@ def test_no_host_sync_between_checks(tmp_path):
     from test_hot_path import SyncCounter
     from transformers import TrainerControl, TrainerState
 
-    model = MidxLMHead.wrap(tiny_model("llama"), num_samples=24, codebook_size=8, kmeans_iters=5, refresh_every_steps=5)
+    model = hf_midx.wrap(tiny_model("llama"), num_samples=24, codebook_size=8, kmeans_iters=5, refresh_every_steps=5)
     callback = MidxCallback()
     args = training_args(tmp_path)
     state, control = TrainerState(), TrainerControl()
@@ -331,7 +332,7 @@ def test_a_plain_resume_finds_the_checkpoint_in_output_dir(tmp_path):
     first, _ = _plain_trainer(tmp_path / "run", max_steps=4)
     first.train()
     again, _ = _plain_trainer(tmp_path / "run", max_steps=6)
-    head = MidxLMHead.find(again.model)
+    head = find_head(again.model)
     again.train(resume_from_checkpoint=True)
     assert again.state.global_step == 6 and head.step_data.calls == 2
 

@@ -18,7 +18,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from _models import clone_model, tiny_model
-from hf_midx import SAMPLERS, MidxConfig, MidxLMHead, MidxTrainer, build_sampler
+import hf_midx
+from hf_midx import SAMPLERS, MidxConfig, MidxTrainer, build_sampler
+from hf_midx.head import find_head
 from hf_midx.loss import full_softmax_loss, sampled_softmax_loss
 from test_head import _LargestTensor
 from test_trainer import VOCAB, RowsDataset, eval_rows, markov_rows, training_args
@@ -116,8 +118,8 @@ def test_wrapped_model_on_device(arch, dtype):
     model = tiny_model(arch)
     reference = clone_model(model).to(DEVICE, dtype)
     model.to(DEVICE, dtype)
-    MidxLMHead.wrap(model, num_samples=24, codebook_size=8, kmeans_iters=5)
-    head = MidxLMHead.find(model)
+    hf_midx.wrap(model, num_samples=24, codebook_size=8, kmeans_iters=5)
+    head = find_head(model)
     ids = torch.randint(400, (2, 40), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with torch.no_grad():
         got, want = model(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss
@@ -142,7 +144,7 @@ def test_wrapped_model_on_device(arch, dtype):
 # ------------------------------------------------------------------------------------------ trainer
 def test_trainer_bf16_trains_evaluates_exactly_and_exports(tmp_path):
     train, evals = RowsDataset(markov_rows(400)), RowsDataset(eval_rows(64))
-    model = MidxLMHead.wrap(
+    model = hf_midx.wrap(
         tiny_model("gpt2", vocab_size=VOCAB),
         MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=10, refresh_every_steps=10),
     )
@@ -151,7 +153,7 @@ def test_trainer_bf16_trains_evaluates_exactly_and_exports(tmp_path):
     before = trainer.evaluate()
     trainer.train()
     after = trainer.evaluate()
-    head = MidxLMHead.find(trainer.model)
+    head = find_head(trainer.model)
     assert head.sampler.device.type == DEVICE.type
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     refreshes = [e for e in trainer.state.log_history if "midx/refresh_seconds" in e]
@@ -165,7 +167,7 @@ def test_trainer_bf16_trains_evaluates_exactly_and_exports(tmp_path):
     out = tmp_path / "saved"
     trainer.save_model(str(out))
     plain = AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").to(DEVICE).eval()
-    MidxLMHead.unwrap(model)
+    hf_midx.unwrap(model)
     model.eval()
     with torch.no_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         logits = plain(evals.rows.to(DEVICE)).logits[:, :-1].float()

@@ -22,7 +22,9 @@ from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from _models import ARCHITECTURES, VOCAB, clone_model, markov_batches, tiny_config, tiny_model  # noqa: E402
 
+import hf_midx  # noqa: E402
 from hf_midx import MidxConfig, MidxLMHead  # noqa: E402
+from hf_midx.head import find_head  # noqa: E402
 
 SMALL = dict(num_samples=24, codebook_size=8, kmeans_iters=5)
 BATCH, SEQ = 2, 16
@@ -36,7 +38,7 @@ def _ids(vocab=VOCAB, batch=BATCH, seq=SEQ, seed=1):
 def _wrapped(arch, **overrides):
     model = tiny_model(arch)
     reference = clone_model(model)
-    MidxLMHead.wrap(model, **{**SMALL, **overrides})
+    hf_midx.wrap(model, **{**SMALL, **overrides})
     return model, reference
 
 
@@ -60,8 +62,8 @@ def test_wrap_keeps_keys_ties_and_exact_eval(arch):
     linear = model.get_output_embeddings()
     tied = linear.weight is model.get_input_embeddings().weight
     weight, bias = linear.weight, linear.bias
-    MidxLMHead.wrap(model, **SMALL)
-    head = MidxLMHead.find(model)
+    hf_midx.wrap(model, **SMALL)
+    head = find_head(model)
 
     assert isinstance(head, MidxLMHead) and model.get_output_embeddings() is head
     assert head.weight is weight and head.bias is bias
@@ -79,7 +81,7 @@ def test_wrap_keeps_keys_ties_and_exact_eval(arch):
     assert torch.isfinite(out.loss) and out.loss.dtype == torch.float32
     out.loss.backward()
     assert head.weight.grad is not None and torch.isfinite(head.weight.grad).all()
-    assert not head.capturing  # switched back after the call
+    assert not head.binding.capture(torch.zeros(1, head.in_features))  # the call is over: full logits again
     model.zero_grad()
 
     # Eval mode: the original head; same logits and loss as the unwrapped model.
@@ -110,8 +112,8 @@ def test_wrap_keeps_the_model_mode(mode):
     deterministic), not a sampled estimate; a model in training mode keeps a head in training mode."""
     model = tiny_model("gpt2").train(mode == "train")
     reference = clone_model(model)  # eval mode
-    MidxLMHead.wrap(model, **SMALL)
-    assert MidxLMHead.find(model).training == (mode == "train")
+    hf_midx.wrap(model, **SMALL)
+    assert find_head(model).training == (mode == "train")
     if mode == "eval":
         ids = _ids()
         with torch.no_grad():
@@ -122,7 +124,7 @@ def test_wrap_keeps_the_model_mode(mode):
 
 def test_gemma2_softcap_is_applied():
     model, reference = _wrapped("gemma2")
-    head = MidxLMHead.find(model)
+    head = find_head(model)
     assert head.logit_softcap == 0.5
     ids = _ids()
     with torch.no_grad():
@@ -161,7 +163,7 @@ def test_sampled_training_step_builds_no_tokens_by_vocab_tensor():
     big = [s for s in probe.shapes if VOCAB in s and torch.Size(s).numel() >= tokens * VOCAB]
     assert not big, f"a (tokens x vocab) tensor was built: {big[:3]}"
     # the unwrapped model does build one (the probe works)
-    MidxLMHead.unwrap(model)
+    hf_midx.unwrap(model)
     with _LargestTensor() as probe:
         model(input_ids=ids, labels=ids).loss.backward()
     assert any(VOCAB in s and torch.Size(s).numel() >= tokens * VOCAB for s in probe.shapes)
@@ -176,7 +178,7 @@ def test_num_items_in_batch_normalisation():
     count = int((labels[:, 1:] != -100).sum())
     model.train()
     with torch.no_grad():
-        head = MidxLMHead.find(model)
+        head = find_head(model)
         state = head.sampler.generator.get_state()
         mean = model(input_ids=ids, labels=labels).loss
         for num_items in (torch.tensor(7), 7):
@@ -194,7 +196,7 @@ def test_num_items_in_batch_normalisation():
 
 def test_shift_labels_and_ignore_index_match_for_causal_lm_loss():
     model, reference = _wrapped("llama")
-    head = MidxLMHead.find(model)
+    head = find_head(model)
     ids = _ids()
     shift = torch.roll(ids, -1, dims=1)
     shift[:, -1] = -100
@@ -229,8 +231,8 @@ def test_training_loop_loss_falls():
     torch.manual_seed(0)
     vocab = VOCAB
     model = tiny_model("llama", vocab_size=vocab)
-    MidxLMHead.wrap(model, num_samples=32, codebook_size=8, kmeans_iters=5)
-    head = MidxLMHead.find(model)
+    hf_midx.wrap(model, num_samples=32, codebook_size=8, kmeans_iters=5)
+    head = find_head(model)
     batches = markov_batches(vocab, batch=16, seq=SEQ, steps=60, seed=3)
     train, held_out = batches[:50], batches[50:]
 
@@ -334,17 +336,17 @@ def test_unwrap_restores_the_original_model():
     linear = model.lm_head
     param_ids = {n: id(p) for n, p in model.named_parameters()}
     pre_hooks, hooks = dict(model._forward_pre_hooks), dict(model._forward_hooks)
-    MidxLMHead.wrap(model, **SMALL)
+    hf_midx.wrap(model, **SMALL)
     model.train()
     model(input_ids=_ids(), labels=_ids()).loss.backward()
     model.zero_grad()
 
-    assert MidxLMHead.unwrap(model) is model
+    assert hf_midx.unwrap(model) is model
     assert model.lm_head is linear and type(model.lm_head) is nn.Linear
     assert {n: id(p) for n, p in model.named_parameters()} == param_ids
     assert dict(model._forward_pre_hooks) == pre_hooks and dict(model._forward_hooks) == hooks
     assert "_loss_function" not in model.__dict__ and model.loss_function is ForCausalLMLoss
-    assert MidxLMHead.find(model) is None
+    assert find_head(model) is None
     ids = _ids()
     model.train()
     reference.train()
@@ -352,8 +354,8 @@ def test_unwrap_restores_the_original_model():
         got, want = model(input_ids=ids, labels=ids), reference(input_ids=ids, labels=ids)
     assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
     # and it can be wrapped again
-    MidxLMHead.wrap(model, **SMALL)
-    assert MidxLMHead.find(model) is not None
+    hf_midx.wrap(model, **SMALL)
+    assert find_head(model) is not None
 
 
 def test_unwrap_keeps_a_custom_loss_function():
@@ -361,14 +363,14 @@ def test_unwrap_keeps_a_custom_loss_function():
     custom = lambda *args, **kwargs: ForCausalLMLoss(*args, **kwargs) * 2  # noqa: E731
     model.loss_function = custom
     with pytest.warns(UserWarning, match="custom loss_function"):
-        MidxLMHead.wrap(model, **SMALL)
-    MidxLMHead.unwrap(model)
+        hf_midx.wrap(model, **SMALL)
+    hf_midx.unwrap(model)
     assert model.loss_function is custom
 
 
 def test_refresh_and_device_agnostic_refresh_argument():
     model, _ = _wrapped("llama")
-    head = MidxLMHead.find(model)
+    head = find_head(model)
     before = head.sampler.index.codebooks[0].clone()
     with torch.no_grad():
         head.weight.mul_(3.0)
@@ -394,7 +396,7 @@ def test_bf16_autocast_training_step():
 
 def test_bf16_model_training_step():
     model = tiny_model("llama").to(torch.bfloat16)
-    MidxLMHead.wrap(model, **SMALL)  # the wrap-time check runs in bf16 too
+    hf_midx.wrap(model, **SMALL)  # the wrap-time check runs in bf16 too
     model.train()
     ids = _ids()
     out = model(input_ids=ids, labels=ids)
@@ -453,8 +455,8 @@ def test_lora_backbone_train_merge_unwrap():
     base = model
     lora_config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"])
     lora = peft.get_peft_model(model, lora_config)
-    MidxLMHead.wrap(lora, **SMALL)
-    head = MidxLMHead.find(lora)
+    hf_midx.wrap(lora, **SMALL)
+    head = find_head(lora)
     assert head is not None and base.lm_head is head
     batches = markov_batches(VOCAB, batch=16, seq=SEQ, steps=26, seed=7)
     train, held = batches[:24], batches[24:]
@@ -484,8 +486,8 @@ def test_lora_backbone_train_merge_unwrap():
     assert sum(losses[-4:]) < sum(losses[:4])
 
     merged = lora.merge_and_unload()
-    assert MidxLMHead.find(merged) is head
-    MidxLMHead.unwrap(merged)
+    assert find_head(merged) is head
+    hf_midx.unwrap(merged)
     assert type(merged.lm_head) is nn.Linear
     merged.eval()
     with torch.no_grad():
@@ -498,14 +500,14 @@ def test_a_deep_copy_is_an_independent_wrapped_model():
 
     model, _ = _wrapped("gpt2")
     twin = copy.deepcopy(model)
-    head, twin_head = MidxLMHead.find(model), MidxLMHead.find(twin)
+    head, twin_head = find_head(model), find_head(twin)
     assert twin_head is not head and twin_head.binding.host is twin
     assert twin_head.weight is twin.transformer.wte.weight
     twin.train()
     ids = _ids()
     assert twin(input_ids=ids, labels=ids).logits.shape[-1] == 0
-    MidxLMHead.unwrap(twin)
-    assert MidxLMHead.find(model) is head
+    hf_midx.unwrap(twin)
+    assert find_head(model) is head
     # The twin's hook handles were its own: unwrapping it left the original's hooks in place.
     model.train()
     assert model(input_ids=ids, labels=ids).logits.shape[-1] == 0
@@ -515,53 +517,53 @@ def test_a_deep_copy_is_an_independent_wrapped_model():
 def test_wrap_rejects_a_backbone_without_output_embeddings():
     backbone = AutoModel.from_config(tiny_config("llama"))
     with pytest.raises(ValueError, match="get_output_embeddings"):
-        MidxLMHead.wrap(backbone, **SMALL)
+        hf_midx.wrap(backbone, **SMALL)
     with pytest.raises(ValueError, match="get_output_embeddings"):
-        MidxLMHead.wrap(nn.Linear(4, 4), **SMALL)
+        hf_midx.wrap(nn.Linear(4, 4), **SMALL)
 
 
 def test_wrap_rejects_a_non_linear_head():
     model = tiny_model("llama")
     model.lm_head = nn.Sequential(nn.Linear(32, VOCAB))
     with pytest.raises(ValueError, match="not an nn.Linear"):
-        MidxLMHead.wrap(model, **SMALL)
+        hf_midx.wrap(model, **SMALL)
 
 
 def test_double_wrap_is_refused():
     model, _ = _wrapped("llama")
     with pytest.raises(ValueError, match="already wrapped"):
-        MidxLMHead.wrap(model, **SMALL)
+        hf_midx.wrap(model, **SMALL)
 
 
 def test_unwrap_without_wrap_is_refused():
     with pytest.raises(ValueError, match="no MidxLMHead"):
-        MidxLMHead.unwrap(tiny_model("llama"))
+        hf_midx.unwrap(tiny_model("llama"))
 
 
 def test_num_samples_not_below_vocab_is_refused():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="lower num_samples"):
-        MidxLMHead.wrap(model, num_samples=VOCAB, codebook_size=8)
+        hf_midx.wrap(model, num_samples=VOCAB, codebook_size=8)
     assert type(model.lm_head) is nn.Linear  # nothing changed
 
 
 def test_unknown_sampler_and_unknown_override_are_refused():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="Unknown sampler 'nope'.*midx-rq"):
-        MidxLMHead.wrap(model, sampler="nope")
+        hf_midx.wrap(model, sampler="nope")
     with pytest.raises(ValueError, match="Unknown MidxConfig field"):
-        MidxLMHead.wrap(model, num_sample=10)
+        hf_midx.wrap(model, num_sample=10)
     with pytest.raises(ValueError, match="MidxConfig"):
-        MidxLMHead.wrap(model, config={"num_samples": 10})
+        hf_midx.wrap(model, config={"num_samples": 10})
     assert type(model.lm_head) is nn.Linear
 
 
 def test_unigram_sampler_needs_class_counts_and_accepts_them():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="class_counts"):
-        MidxLMHead.wrap(model, sampler="unigram", num_samples=24)
+        hf_midx.wrap(model, sampler="unigram", num_samples=24)
     counts = torch.bincount(_ids().flatten(), minlength=VOCAB)
-    MidxLMHead.wrap(model, MidxConfig(sampler="unigram", num_samples=24), class_counts=counts)
+    hf_midx.wrap(model, MidxConfig(sampler="unigram", num_samples=24), class_counts=counts)
     model.train()
     assert torch.isfinite(model(input_ids=_ids(), labels=_ids()).loss)
 
@@ -570,7 +572,7 @@ def test_labels_out_of_range_are_named():
     """Training checks the label range on the device (no host sync; on CPU it raises at once, on CUDA at
     the next sync); the exact loss checks it on the host and names the value."""
     model, _ = _wrapped("llama")
-    head = MidxLMHead.find(model)
+    head = find_head(model)
     ids = _ids()
     labels = ids.clone()
     for bad in (VOCAB + 5, -3):
@@ -578,7 +580,7 @@ def test_labels_out_of_range_are_named():
         model.train()
         with pytest.raises(RuntimeError, match=rf"labels outside \[0, {VOCAB}\)"):
             model(input_ids=ids, labels=labels)
-        assert not head.capturing  # reset after the failed call
+        assert not head.binding.capture(torch.zeros(1, head.in_features))  # reset after the failed call
         model.eval()
         with torch.no_grad(), head.exact_loss_only(), pytest.raises(ValueError, match=str(bad)):
             model(input_ids=ids, labels=labels)
@@ -602,26 +604,66 @@ def test_wrap_refuses_models_that_post_process_logits():
     torch.manual_seed(0)
     model = DoubledLogits(tiny_config("llama")).eval()
     with pytest.raises(ValueError, match="transforms the LM head's output"):
-        MidxLMHead.wrap(model, **SMALL)
+        hf_midx.wrap(model, **SMALL)
     assert type(model.lm_head) is nn.Linear and not model._forward_pre_hooks
 
 
 # ====================================================================== layer and surgery apart
-def test_wrap_and_unwrap_are_free_functions_and_the_aliases_still_work():
+def test_wrap_and_unwrap_are_free_functions_and_the_head_has_no_aliases_of_them():
     import hf_midx
     import hf_midx.wrap  # noqa: F401  (the module of the same name does not shadow the function)
 
     assert callable(hf_midx.wrap) and hf_midx.wrap.__module__ == "hf_midx.wrap"
     model = tiny_model("llama")
     assert hf_midx.wrap(model, **SMALL) is model
-    head = MidxLMHead.find(model)
+    head = find_head(model)
     assert head.binding is not None and len(head.binding.handles) == 2
-    assert hf_midx.unwrap(model) is model and head.binding is None and MidxLMHead.find(model) is None
-    assert MidxLMHead.wrap(model, **SMALL) is model and MidxLMHead.unwrap(model) is model
+    assert hf_midx.unwrap(model) is model and head.binding is None and find_head(model) is None
+    assert hf_midx.wrap(model, **SMALL) is model and hf_midx.unwrap(model) is model
+    assert not any(hasattr(MidxLMHead, name) for name in ("wrap", "unwrap", "find"))  # removed in 0.x
+
+
+def test_the_transformers_names_the_binding_relies_on_still_hold():
+    """hf_midx.binding touches two names transformers does not export, each in one function: the loss registry
+    (``_loss_registry``) and the instance's own loss function (``_own_loss_function``). This fails, naming the
+    function to update, when a transformers release changes either."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    from hf_midx import binding
+
+    try:
+        registry = binding._loss_registry()
+    except ImportError as err:
+        pytest.fail(f"transformers.loss.loss_utils.LOSS_MAPPING moved ({err}); update hf_midx.binding._loss_registry.")
+    causal = registry.get("ForCausalLM")
+    assert causal is not None and causal.__name__ == "ForCausalLMLoss", (
+        "transformers' LOSS_MAPPING no longer maps 'ForCausalLM' to ForCausalLMLoss; update hf_midx.binding."
+    )
+    needed = {"logits", "labels", "num_items_in_batch", "ignore_index", "shift_labels"}
+    assert needed <= set(inspect.signature(causal).parameters), (
+        f"ForCausalLMLoss no longer takes {sorted(needed)}: HostBinding.loss_function binds the host's loss "
+        "arguments by these names."
+    )
+    assert isinstance(inspect.getattr_static(PreTrainedModel, "loss_function"), property)
+    model = tiny_model("llama")
+    assert binding._own_loss_function(model) is None and model.loss_function is causal
+    custom = lambda *args, **kwargs: causal(*args, **kwargs)  # noqa: E731
+    model.loss_function = custom
+    assert binding._own_loss_function(model) is custom, (
+        "PreTrainedModel.loss_function's setter no longer stores the function as _loss_function; update "
+        "hf_midx.binding._own_loss_function."
+    )
+    assert binding._own_loss_function(model, remove=True) is custom and model.loss_function is causal, (
+        "Removing _loss_function no longer gives the model its loss_type's loss back; update "
+        "hf_midx.binding._own_loss_function."
+    )
 
 
 def test_the_layer_imports_nothing_of_the_surgery():
-    """head.py imports nothing from wrap.py (which imports it), and no file reads another's private names."""
+    """head.py imports nothing from wrap.py or binding.py (which import it), no file reads another's private
+    names or looks the package's own modules up in sys.modules, and the head keeps no capture state."""
     import ast
     import pathlib
     import re
@@ -632,8 +674,17 @@ def test_the_layer_imports_nothing_of_the_surgery():
     tree = ast.parse((package / "head.py").read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert not {m for m in imported if m and m.split(".")[-1] == "wrap"}, imported
-    for name in ("wrap.py", "callback.py", "trainer.py", "state.py"):
+    assert not {m for m in imported if m and m.split(".")[-1] in ("wrap", "binding")}, imported
+    for name in ("wrap.py", "binding.py", "callback.py", "trainer.py", "state.py"):
         text = (package / name).read_text()
         assert not re.findall(r"\bhead\._[a-z]", text), name
     assert "_forward_hooks" not in (package / "wrap.py").read_text()
+    for path in package.rglob("*.py"):
+        assert "sys.modules" not in path.read_text(), path
+    model, _ = _wrapped("llama")
+    model.train()
+    model(input_ids=_ids(), labels=_ids())
+    head = find_head(model)
+    assert not {"capturing", "_hidden", "take_hidden", "loss_from_hidden"} & set(dir(head))
+
+

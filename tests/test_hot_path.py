@@ -16,7 +16,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _models import tiny_model
+import hf_midx
 from hf_midx import MidxConfig, MidxLMHead, build_sampler, sampled_softmax_loss
+from hf_midx.head import find_head
 
 _SYNC_OPS = {
     "_local_scalar_dense",
@@ -90,9 +92,9 @@ def test_sampled_training_step_adds_no_host_sync(model_type, options):
 
     model = tiny_model(model_type)
     counts = torch.bincount(batch.flatten(), minlength=vocab).float() + 1.0
-    MidxLMHead.wrap(model, MidxConfig(codebook_size=8, **{"num_samples": 16, **options}), class_counts=counts)
+    hf_midx.wrap(model, MidxConfig(codebook_size=8, **{"num_samples": 16, **options}), class_counts=counts)
     wrapped = _count_step(model, batch)
-    assert MidxLMHead.find(model).sampled_calls == 2, "the steps did not go through the sampled loss"
+    assert find_head(model).sampled_calls == 2, "the steps did not go through the sampled loss"
     extra = wrapped - plain
     assert not extra, f"the MIDX head added host-sync ops to a training step: {dict(extra)} (model alone: {dict(plain)})"
 
@@ -160,7 +162,7 @@ def test_sampled_loss_compiles_without_graph_break(negatives):
 
 
 def test_head_loss_compiles_and_stops_recompiling():
-    """``MidxLMHead.loss_from_hidden`` (sampler, estimator, step data) under fullgraph compile.
+    """``MidxLMHead.loss`` (sampler, estimator, step data) under fullgraph compile.
 
     Its per-call bookkeeping lives in device tensors: after the first call (which creates them) no
     guard changes, so five calls fit in two compiled versions.
@@ -176,8 +178,7 @@ def test_head_loss_compiles_and_stops_recompiling():
     hidden = torch.randn(24, 16, requires_grad=True)
     labels = torch.randint(300, (24,))
     labels[::7] = -100
-    step = torch.compile(lambda h, y: head.loss_from_hidden(h, None, shift_labels=y), fullgraph=True,
-                         backend="aot_eager")
+    step = torch.compile(lambda h, y: head.loss(h, y), fullgraph=True, backend="aot_eager")
     with torch._dynamo.config.patch(recompile_limit=2):
         for _ in range(5):
             loss = step(hidden, labels)
@@ -196,17 +197,17 @@ def test_cuda_training_step_makes_no_sync(negatives):
     counts = torch.bincount(batch.flatten().cpu(), minlength=vocab).float() + 1.0
     config = MidxConfig(codebook_size=8, num_samples=16 if negatives == "per-query" else 64, negatives=negatives,
                         exact_head=32)
-    MidxLMHead.wrap(model, config, class_counts=counts)
+    hf_midx.wrap(model, config, class_counts=counts)
     model.train()
     model(input_ids=batch, labels=batch).loss.backward()  # warm-up: caches, first-call state
     torch.cuda.synchronize()
-    head = MidxLMHead.find(model)
+    head = find_head(model)
     # The model's own forward may sync (e.g. mask construction); only the head's loss is checked here.
     hidden = torch.randn(32, model.config.hidden_size, device="cuda", requires_grad=True)
     labels = batch.flatten()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        head.loss_from_hidden(hidden, None, shift_labels=labels).backward()
+        head.loss(hidden, labels).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

@@ -18,7 +18,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainerCallback, TrainingArguments
 
 from _models import markov_batches, tiny_model
-from hf_midx import MidxConfig, MidxLMHead, refresh_index
+import hf_midx
+from hf_midx import MidxConfig, refresh_index
+from hf_midx.head import find_head
 from hf_midx.trainer import MIDX_RNG_STATE_NAME, MIDX_STATE_NAME, MidxNonFiniteError, MidxTrainer
 
 VOCAB = 256
@@ -60,7 +62,7 @@ def eval_rows(n: int, vocab: int = VOCAB) -> torch.Tensor:
 def wrapped_model(seed: int = 0, vocab: int = VOCAB, **config):
     model = tiny_model("gpt2", vocab_size=vocab, seed=seed)
     defaults = dict(num_samples=32, codebook_size=8, kmeans_iters=10)
-    return MidxLMHead.wrap(model, MidxConfig(**{**defaults, **config}))
+    return hf_midx.wrap(model, MidxConfig(**{**defaults, **config}))
 
 
 def training_args(output_dir, **overrides) -> TrainingArguments:
@@ -123,7 +125,7 @@ def test_training_lowers_loss_and_evaluation_is_exact(tmp_path):
     # The exact eval loss (no logits materialized) equals the unwrapped GPT-2's mean next-token NLL,
     # computed here from full logits. (A plain Trainer on GPT-2 reports that times S/(S+1) in
     # transformers 5.x, counting num_items_in_batch over unshifted labels; MidxTrainer must not.)
-    MidxLMHead.unwrap(model)
+    hf_midx.unwrap(model)
     model.eval()
     with torch.no_grad():
         logits = model(evals.rows).logits[:, :-1].float()
@@ -261,7 +263,7 @@ def test_resume_from_mismatched_checkpoint_raises(tmp_path, change):
 
     other = wrapped_model(refresh_every_epoch=False, **change)
     before = {k: v.clone() for k, v in other.state_dict().items()}
-    sampler_before = {k: v.clone() for k, v in MidxLMHead.find(other).sampler.state_dict().items()}
+    sampler_before = {k: v.clone() for k, v in find_head(other).sampler.state_dict().items()}
     trainer = MidxTrainer(
         model=other, args=training_args(tmp_path / "b", max_steps=4), train_dataset=RowsDataset(markov_rows(32))
     )
@@ -270,7 +272,7 @@ def test_resume_from_mismatched_checkpoint_raises(tmp_path, change):
         trainer.train(resume_from_checkpoint=str(checkpoint))
     # Nothing was loaded: weights and sampler are untouched, and no checkpoint was written.
     assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
-    after = MidxLMHead.find(other).sampler.state_dict()
+    after = find_head(other).sampler.state_dict()
     assert all(torch.equal(sampler_before[k], after[k]) for k in after)
     assert not (tmp_path / "b").exists() or not any(p.name.startswith("checkpoint") for p in (tmp_path / "b").iterdir())
 
@@ -281,7 +283,7 @@ def test_resume_with_another_exact_head_raises(tmp_path):
 
     def model_with(class_counts):
         config = MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=10, exact_head=16, refresh_every_epoch=False)
-        return MidxLMHead.wrap(tiny_model("gpt2", vocab_size=VOCAB), config, class_counts=class_counts)
+        return hf_midx.wrap(tiny_model("gpt2", vocab_size=VOCAB), config, class_counts=class_counts)
 
     args = training_args(tmp_path / "a", max_steps=2, save_strategy="steps", save_steps=2)
     MidxTrainer(model=model_with(counts), args=args, train_dataset=RowsDataset(markov_rows(32))).train()
@@ -341,7 +343,7 @@ def test_save_model_writes_plain_model_and_card(tmp_path):
     assert json.loads((out / "midx_config.json").read_text())["codebook_size"] == 8
     # Plain transformers weights: exactly the unwrapped model's keys, loadable without hf-midx.
     saved = load_file(str(out / "model.safetensors"))
-    MidxLMHead.unwrap(model)
+    hf_midx.unwrap(model)
     assert set(saved) <= set(model.state_dict()) and not any("midx" in k or "sampler" in k for k in saved)
     reloaded = AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
     assert type(reloaded) is type(model)
@@ -506,7 +508,7 @@ def test_non_finite_values_stop_training_with_the_step(tmp_path, where, logging_
     """NaN is looked for at logging / refresh / save steps (no sync per micro-batch), and the message names
     the optimizer step whose forward first produced it and the tensor."""
     # An untied head: poisoning a tied one would poison the input embeddings, hence the hidden states.
-    model = MidxLMHead.wrap(
+    model = hf_midx.wrap(
         tiny_model("gpt2", vocab_size=VOCAB, tie_word_embeddings=False),
         MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=10, refresh_every_epoch=False),
         refresh_every_steps=refresh_every_steps,
@@ -523,7 +525,7 @@ def test_non_finite_values_stop_training_with_the_step(tmp_path, where, logging_
 
 def test_refresh_of_a_non_finite_head_weight_is_refused():
     model = wrapped_model()
-    head = MidxLMHead.find(model)
+    head = find_head(model)
     before = {k: v.clone() for k, v in head.sampler.state_dict().items()}
     with torch.no_grad():
         model.lm_head.weight[3, 1] = float("inf")

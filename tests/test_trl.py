@@ -19,7 +19,9 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 from _models import clone_model, tiny_model  # noqa: E402
-from hf_midx import MidxCallback, MidxConfig, MidxLMHead  # noqa: E402
+import hf_midx  # noqa: E402
+from hf_midx import MidxCallback, MidxConfig  # noqa: E402
+from hf_midx.head import find_head  # noqa: E402
 from hf_midx.wrap import MidxFusedOutput  # noqa: E402
 from test_trainer import SEQ, VOCAB, markov_rows  # noqa: E402
 
@@ -34,12 +36,12 @@ def _tokenizer() -> PreTrainedTokenizerFast:
 
 def _wrapped(**config):
     model = tiny_model("gpt2", vocab_size=VOCAB, seed=0)
-    return MidxLMHead.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=5, **config))
+    return hf_midx.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=5, **config))
 
 
 def test_sft_trainer_trains_through_the_sampler(tmp_path):
     model = _wrapped(refresh_every_steps=3)
-    head = MidxLMHead.find(model)
+    head = find_head(model)
     rows = markov_rows(48)
     train = datasets.Dataset.from_dict({"input_ids": rows.tolist()})
     args = trl.SFTConfig(
@@ -101,7 +103,7 @@ def test_fused_output_is_the_sampled_loss_in_training_and_exact_in_eval():
     reference = clone_model(model)  # a plain GPT-2 with the same weights
     for m in (model, reference):
         add_fused_lm_head(m, outputs=("log_probs", "entropy", "is_top1"))
-    head = MidxLMHead.find(model)
+    head = find_head(model)
     ids = markov_rows(4)
     labels = ids.clone()
     labels[0, :5] = -100
@@ -152,5 +154,5 @@ def test_readme_sft_block_trains_through_the_sampler(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(snippet, str(README), "exec"), namespace)
-    trainer, head = namespace["trainer"], MidxLMHead.find(namespace["model"])
+    trainer, head = namespace["trainer"], find_head(namespace["model"])
     assert head is not None and head.sampled_calls == trainer.state.global_step > 0
