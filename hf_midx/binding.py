@@ -20,8 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils import ModelOutput
 
-from .head import MidxLMHead
-
 _CAUSAL_LM_LOSS_TYPE = "ForCausalLM"
 
 
@@ -76,7 +74,9 @@ class MidxFusedOutput(ModelOutput):
 
 
 class HostBinding:
-    """Everything :func:`wrap` changed on the host model, and the routing of each host call to the head.
+    """Everything :func:`hf_midx.wrap` changed on the host model, and the routing of each host call to the head
+    (the :class:`~hf_midx.MidxLMHead`; the binding needs only its ``loss``, ``exact_only``, ``step_data`` and
+    ``training``, so this module does not import it).
 
     It holds the removable handles of a forward pre-hook and a forward hook on the host, the host's
     own ``loss_function`` (replaced on the instance by :meth:`loss_function`) and ``loss_type``, and
@@ -86,8 +86,8 @@ class HostBinding:
 
     * no labels, or eval mode outside ``head.exact_loss_only()``: full logits, so ``generate()``,
       pipelines and evaluation behave exactly as before;
-    * training mode with labels: the head captures its input and returns a (B, S, 0) placeholder, and
-      the host's loss computes :func:`hf_midx.sampled_softmax_loss` with ``ForCausalLMLoss`` label
+    * training mode with labels: the binding keeps the head's input (the head returns a (B, S, 0)
+      placeholder), and the host's loss computes :func:`hf_midx.sampled_softmax_loss` with ``ForCausalLMLoss`` label
       semantics. **In training, ``outputs.logits`` is that placeholder**;
     * inside ``head.exact_loss_only()`` with labels: the same, with the exact full-softmax loss;
     * training mode with labels and ``fused_lm_head=True`` (TRL's trainers, after
@@ -103,11 +103,11 @@ class HostBinding:
     ``num_items_in_batch`` over ``labels[..., 1:]``.
 
     A training call's hand-off has this one owner: the head offers its input to :meth:`capture`, which keeps
-    it while the pre-hook has asked for it; the host then calls :meth:`loss_function`, which shifts the
-    labels and calls :meth:`MidxLMHead.loss`; the forward hook forgets what is left.
+    it when the pre-hook has asked for it; the host then calls :meth:`loss_function`, which shifts the
+    labels once and calls ``head.loss``; the forward hook forgets what is left.
     """
 
-    def __init__(self, head: MidxLMHead, host: nn.Module) -> None:
+    def __init__(self, head: nn.Module, host: nn.Module) -> None:
         self.head, self.host = head, host
         self.handles: list[Any] = []
         self.had_loss_function = _own_loss_function(host) is not None

@@ -10,14 +10,13 @@ import warnings
 
 import torch
 
-from .config import MidxConfig
 from .samplers.base import check_counts
 
 
-def exact_head_ids(config: MidxConfig, class_counts, num_classes: int) -> torch.Tensor | None:
-    """(H,) int64 ids of the exact head: the config.exact_head most frequent classes of the (V,) ``class_counts``,
-    sorted; None when off or without counts (warned). ``config`` is already fitted to V (:meth:`MidxConfig.for_vocabulary`)."""
-    h = config.exact_head
+def exact_head_ids(h: int, class_counts: torch.Tensor | None, num_classes: int) -> torch.Tensor | None:
+    """(H,) int64 ids of the exact head: the ``h`` most frequent classes of the (V,) ``class_counts``, sorted;
+    None when ``h`` is 0 or without counts (warned). ``h`` is ``config.exact_head`` fitted to V (at most V // 8,
+    :meth:`MidxConfig.for_vocabulary`)."""
     if h == 0:
         return None
     if class_counts is None:

@@ -65,7 +65,7 @@ class MidxLMHead(nn.Module):
         self.binding = None
         self.step_data = StepData(config.kl_queries)
         self._class_counts, self._exact_depth = class_counts, 0
-        self.exact_ids: torch.Tensor | None = exact_head_ids(config, class_counts, self.num_classes)
+        self.exact_ids: torch.Tensor | None = exact_head_ids(config.exact_head, class_counts, self.num_classes)
         self.sampler: Sampler = self._build_sampler(self.weight)
         # What is in use, for midx_config.json and the model card: without class counts there is no exact head,
         # and a MIDX sampler mixes in no unigram and draws uniformly inside buckets (both warned).
