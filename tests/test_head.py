@@ -623,6 +623,27 @@ def test_wrap_and_unwrap_are_free_functions_and_the_head_has_no_aliases_of_them(
     assert not any(hasattr(MidxLMHead, name) for name in ("wrap", "unwrap", "find"))  # removed in 0.x
 
 
+def test_the_binding_shifts_the_labels_once_and_the_head_takes_them_shifted():
+    """The hand-off: the binding keeps the head's (B, S, D) input and shifts the labels; ``head.loss`` takes
+    (N,) labels already shifted, so calling it on the kept input reproduces the model's exact loss."""
+    model, reference = _wrapped("llama")
+    head = find_head(model)
+    kept = []
+    capture = head.binding.capture
+    head.binding.capture = lambda hidden: kept.append(hidden) or capture(hidden)
+    ids = _ids()
+    model.eval()
+    with torch.no_grad(), head.exact_loss_only():
+        got = model(input_ids=ids, labels=ids).loss
+        want = reference(input_ids=ids, labels=ids).loss
+        hidden = kept[-1]
+        assert hidden.shape == (BATCH, SEQ, head.in_features)
+        direct = head.loss(hidden[:, :-1].reshape(-1, head.in_features), ids[:, 1:].reshape(-1), exact=True)
+        mean_of_unshifted = head.loss(hidden, ids, exact=True)
+    assert _rel(got, want) < 1e-5 and _rel(direct, want) < 1e-5
+    assert _rel(mean_of_unshifted, want) > 1e-3  # no second shift inside the head
+
+
 def test_the_transformers_names_the_binding_relies_on_still_hold():
     """hf_midx.binding touches two names transformers does not export, each in one function: the loss registry
     (``_loss_registry``) and the instance's own loss function (``_own_loss_function``). This fails, naming the
