@@ -206,9 +206,10 @@ class MidxLMHead(nn.Module):
                     estimator=cfg.estimator, exact_ids=sampler.excluded, **options,  # excluded: on the sampler's device
                 )
                 self.step_data.record(raw, y, ignore_index, loss)
-        if num_items_in_batch is None or reduction == "none":
+        count = num_items_in_batch
+        if count is None or reduction == "none":
             return loss
-        return loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+        return loss / (count.to(loss.device) if torch.is_tensor(count) else count)
 
     # ------------------------------------------------------------------ the callback's data
     @property
