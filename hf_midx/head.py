@@ -29,9 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 class MidxLMHead(nn.Module):
-    """An LM head that trains with the MIDX sampled softmax and predicts with the full softmax.
-
-    Build it with :func:`hf_midx.wrap`, not directly.
+    """An LM head that trains with the MIDX sampled softmax and predicts with the full softmax; build it with
+    :func:`hf_midx.wrap`, not directly.
 
     Attributes:
         config: the :class:`~hf_midx.MidxConfig` in use.
@@ -40,19 +39,15 @@ class MidxLMHead(nn.Module):
             None (the head holds them), and :func:`hf_midx.unwrap` gives them back.
         num_classes: V, the number of output classes (rows of the weight).
         logit_softcap: ``cap`` in ``cap * tanh(logits / cap)`` (Gemma-2's ``final_logit_softcapping``) or None.
-        logit_scale: factor the host applies to the logits (Cohere's ``logit_scale``, 1 / Granite's
-            ``logits_scaling``); 1.0 for most models.
-        exact_ids: (H,) int64 ids of the exact head (the ``config.exact_head`` most frequent classes,
-            at most V // 8), scored exactly for every token; or None.
+        logit_scale: the host's logit factor (Cohere's ``logit_scale``, 1 / Granite's ``logits_scaling``) or 1.0.
+        exact_ids: (H,) int64 ids of the exact head (:mod:`hf_midx.exact_head`), scored exactly for each token, or None.
         step_data: the :class:`~hf_midx.step_data.StepData` of the sampled :meth:`loss` calls, for the callback.
-        binding: the :class:`hf_midx.wrap.HostBinding` that put this head in a model, or None. :meth:`forward`
-            offers it its input; where the binding keeps it (training with labels), forward returns (B, S, 0).
+        binding: the :class:`~hf_midx.binding.HostBinding` that put this head in a model, or None.
+            :meth:`forward` offers it its input; where the binding keeps it, forward returns (B, S, 0).
     """
 
-    def __init__(
-        self, linear: nn.Linear, config: MidxConfig, *, class_counts: torch.Tensor | None = None,
-        logit_softcap: float | None = None, logit_scale: float = 1.0,
-    ) -> None:
+    def __init__(self, linear: nn.Linear, config: MidxConfig, *, class_counts: torch.Tensor | None = None,
+                 logit_softcap: float | None = None, logit_scale: float = 1.0) -> None:
         super().__init__()
         # The same Parameter objects as the Linear: identical state_dict keys, ties and optimizer state.
         self.weight = linear.weight
@@ -100,8 +95,7 @@ class MidxLMHead(nn.Module):
             self._release_linear()
 
     def sync_linear(self) -> None:
-        """Point the kept ``linear`` at the head's parameters (before unwrapping, or if something
-        re-registered them, e.g. ``tie_weights``)."""
+        """Give the kept ``linear`` the head's parameters (to unwrap, or after ``tie_weights`` re-registered them)."""
         if self.linear.weight is not self.weight:
             self.linear.weight = self.weight
         if self.linear.bias is not self.bias:
@@ -132,10 +126,9 @@ class MidxLMHead(nn.Module):
                              "gather a sharded weight first (hf_midx.refresh_index(model) does).")
         if hasattr(w, "full_tensor"):
             raise ValueError("refresh got a sharded DTensor weight; hf_midx.refresh_index(model) gathers it.")
-        if w.device != self.sampler.device:
-            self.sampler = self._build_sampler(w)
-        else:
-            self.sampler.refresh(w.detach())
+        if w.device == self.sampler.device:
+            return self.sampler.refresh(w.detach())
+        self.sampler = self._build_sampler(w)  # the head moved
 
     def _sampler_on(self, device: torch.device) -> Sampler:
         if self.sampler.device != device:
@@ -155,16 +148,11 @@ class MidxLMHead(nn.Module):
         finally:
             self._exact_depth -= 1
 
-    @property
-    def exact_only(self) -> bool:
-        """True inside :meth:`exact_loss_only`."""
-        return self._exact_depth > 0
+    exact_only = property(lambda self: self._exact_depth > 0, doc="True inside :meth:`exact_loss_only`.")
 
-    def loss(
-        self, hidden: torch.Tensor, labels: torch.Tensor, *, num_items_in_batch: torch.Tensor | int | None = None,
-        ignore_index: int = -100, exact: bool = False, reduction: str | None = None,
-        weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor, *, num_items_in_batch: torch.Tensor | int | None = None,
+             ignore_index: int = -100, exact: bool = False, reduction: str | None = None,
+             weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The cross-entropy of each hidden state against its label, which is already shifted.
 
         The sampled path reads nothing back to the host (labels are range-checked on the device) and
@@ -177,10 +165,8 @@ class MidxLMHead(nn.Module):
             num_items_in_batch: divide the sum over tokens by this count (the Trainer's gradient-accumulation
                 normalization) instead of taking the mean.
             exact: the full softmax (exact, chunked, no (N, V) tensor) instead of the sampled one.
-            reduction: "none" for the (N,) per-token losses (0 at ignored tokens).
+            reduction: "none" for the (N,) float32 per-token losses (0 at ignored tokens); else a float32 scalar.
             weight, bias: the full (V, D) weight and (V,) bias instead of the head's, e.g. gathered from shards.
-        Returns:
-            float32 scalar, or (N,) with ``reduction="none"``.
         """
         h = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1).to(device=h.device, dtype=torch.long)
@@ -211,16 +197,10 @@ class MidxLMHead(nn.Module):
             return loss
         return loss / (count.to(loss.device) if torch.is_tensor(count) else count)
 
-    # ------------------------------------------------------------------ the callback's data
-    @property
-    def last_queries(self) -> torch.Tensor | None:
-        """``step_data.queries``: (min(k, N), D) hidden states of the last sampled call, or None."""
-        return self.step_data.queries
-
-    @property
-    def sampled_calls(self) -> int:
-        """``step_data.calls``: sampled-loss calls since the step data was cleared (a sync)."""
-        return self.step_data.calls
+    # ------------------------------------------------------------------ for hf_midx.callback
+    # The schedule (callback, distributed, learned codebooks) reaches the step data and the sampler through these.
+    last_queries = property(lambda self: self.step_data.queries, doc="``step_data.queries``: (min(k, N), D) or None.")
+    sampled_calls = property(lambda self: self.step_data.calls, doc="``step_data.calls``, read back (a sync).")
 
     @torch.no_grad()
     def last_batch_exact_loss(self, weight=None, bias=None) -> torch.Tensor | None:
@@ -235,8 +215,6 @@ class MidxLMHead(nn.Module):
         bias = None if bias is None else bias.detach()
         return self.loss(h, y, ignore_index=ignore_index, exact=True, weight=weight.detach(), bias=bias)
 
-    # ------------------------------------------------------------------ the sampler, for hf_midx.callback
-    # The schedule (callback, distributed, learned codebooks) reaches the sampler only through these.
     def sampler_state(self) -> dict[str, torch.Tensor]:
         """The sampler's tensors (``Sampler.state_dict``: its tables, sizes and ``generator_state``)."""
         return self.sampler.state_dict()
