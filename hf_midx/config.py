@@ -4,7 +4,8 @@ The config is plain data: it saves to and loads from ``midx_config.json`` (with 
 stamped in), and :meth:`MidxConfig.sampler_kwargs` turns it into the arguments of
 :func:`hf_midx.build_sampler`. Sampler names come from :data:`hf_midx.samplers.SAMPLERS` and sampler
 options from :data:`hf_midx.samplers.SAMPLER_OPTIONS` (each sampler's own ``options`` table says which
-apply to it); this module does not repeat either list.
+apply to it, and each sampler checks their values); the defaults shared with the low-level builders come
+from :mod:`hf_midx.defaults`. This module repeats none of them.
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ import dataclasses
 import json
 import math
 import os
+import textwrap
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import defaults
+from ._checks import check_positive_int, is_number
 from ._io import atomic_write
-from .loss import ESTIMATORS, NEGATIVE_MODES
-from .quantizers import KMEANS_BACKENDS
-from .samplers import LAST_STAGES, MIX_STATICS, SAMPLER_OPTIONS, SAMPLERS, check_sampler_options
+from .defaults import ESTIMATORS, KMEANS_BACKENDS, LAST_STAGES, MIX_STATICS, NEGATIVE_MODES
+from .samplers import SAMPLER_OPTIONS, SAMPLERS, check_option_values, check_sampler_options
 from .version import __version__
 
 #: File name of a saved config inside a model or checkpoint directory.
@@ -39,14 +42,6 @@ CODEBOOK_MODES = ("kmeans", "learned")
 # Sampler options that are config fields of their own; setting them twice would be ambiguous. Each is
 # passed to build_sampler only for the samplers whose option table lists it (ignored by the others).
 _OPTIONS_WITH_FIELDS = ("kmeans_iters", "kmeans_backend", "last_stage", "mix_weight", "mix_static")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -72,11 +67,11 @@ class MidxConfig:
         },
     )
     codebook_size: int = field(
-        default=32,
+        default=defaults.CODEBOOK_SIZE,
         metadata={"help": "Codewords per codebook (K) of the MIDX samplers; K*K buckets. Ignored by other samplers."},
     )
     negatives: str = field(
-        default="per-query",
+        default=defaults.NEGATIVES,
         metadata={
             "help": "'per-query': each token draws its own negatives from Q(.|z_t) (the paper); 'shared': one "
             "pool per batch drawn from the batch mixture, scored with one matmul."
@@ -98,9 +93,9 @@ class MidxConfig:
     refresh_every_epoch: bool = field(
         default=True, metadata={"help": "Rebuild the sampler from the current head weight at the start of every epoch."}
     )
-    kmeans_iters: int = field(default=20, metadata={"help": "Lloyd iterations per codebook at every (re)build."})
+    kmeans_iters: int = field(default=defaults.KMEANS_ITERS, metadata={"help": "Lloyd iterations per codebook at every (re)build."})
     kmeans_backend: str = field(
-        default="torch",
+        default=defaults.KMEANS_BACKEND,
         metadata={
             "help": f"K-means implementation: one of {KMEANS_BACKENDS} ('faiss' needs pip install 'hf-midx[faiss]')."
         },
@@ -114,7 +109,7 @@ class MidxConfig:
         },
     )
     estimator: str = field(
-        default="corrected-positive",
+        default=defaults.ESTIMATOR,
         metadata={
             "help": f"How the label's logit enters the sampled softmax; one of {ESTIMATORS}. 'exact-positive': "
             "as is (the paper's text; trained long without an exact head it settles far from the full softmax's "
@@ -132,7 +127,7 @@ class MidxConfig:
         },
     )
     mix_weight: float = field(
-        default=0.5,
+        default=defaults.MIX_WEIGHT,
         metadata={
             "help": "Defensive mixture of the MIDX samplers: Q = (1 - a) Q_midx + a Q_static with a = mix_weight in "
             "[0, 1) (0: the paper's MIDX alone); log q is exact (logaddexp). Ignored by other samplers. Without an "
@@ -140,21 +135,21 @@ class MidxConfig:
         },
     )
     mix_static: str = field(
-        default="unigram",
+        default=defaults.MIX_STATIC,
         metadata={
             "help": f"The static component of the defensive mixture; one of {MIX_STATICS}. 'unigram' needs "
-            "class_counts (without them: uniform, with a warning). Ignored by non-MIDX samplers."
+            "class_counts (without them the sampler mixes in nothing, with a warning). Ignored by non-MIDX samplers."
         },
     )
     last_stage: str = field(
-        default="uniform",
+        default=defaults.LAST_STAGE,
         metadata={
             "help": f"How midx-rq / midx-pq draw a class inside a bucket; one of {LAST_STAGES}. 'frequency': "
             "proportionally to its smoothed training count (the bucket mass uses the summed counts), needs "
             "class_counts. Ignored by other samplers."
         },
     )
-    seed: int = field(default=0, metadata={"help": "Seed of the sampler's generator and of k-means."})
+    seed: int = field(default=defaults.SEED, metadata={"help": "Seed of the sampler's generator and of k-means."})
     sampler_options: dict = field(
         default_factory=dict,
         metadata={
@@ -203,9 +198,10 @@ class MidxConfig:
             )
         self._check_int("refresh_every_steps", 0)
         self._check_bool("refresh_every_epoch")
-        self._check_int("kmeans_iters", 0)
-        if self.kmeans_backend not in KMEANS_BACKENDS:
-            raise ValueError(f"kmeans_backend must be one of {KMEANS_BACKENDS}, got {self.kmeans_backend!r}.")
+        # The option fields are valid whatever the sampler (a saved config may switch samplers later); each is
+        # checked by a sampler that reads it.
+        check_option_values({name: getattr(self, name) for name in _OPTIONS_WITH_FIELDS})
+        self.mix_weight = float(self.mix_weight)
         if self.remove_accidental_hits is not None and not isinstance(self.remove_accidental_hits, bool):
             raise ValueError(
                 f"remove_accidental_hits must be True, False or None (the estimator's choice), "
@@ -222,7 +218,6 @@ class MidxConfig:
                 f"Set {', '.join(doubled)} as MidxConfig field(s), not inside sampler_options "
                 f"(e.g. MidxConfig({doubled[0]}=...))."
             )
-        check_sampler_options(self.sampler, self.sampler_options)
         for key, value in self.sampler_options.items():
             # Saved in midx_config.json: plain, finite values only (a NumPy float32 fails at the first save).
             plain = isinstance(value, (bool, int, float, str))
@@ -231,26 +226,17 @@ class MidxConfig:
                     f"sampler_options[{key!r}] must be a finite number or a string, got {value!r} "
                     f"({type(value).__name__}); pass a plain Python value, e.g. float(x)."
                 )
+        check_sampler_options(self.sampler, self.sampler_options)
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}.")
         self._check_int("exact_head", 0)
-        value = self.mix_weight
-        if not _is_number(value) or not 0.0 <= value < 1.0:
-            raise ValueError(f"mix_weight must be a number in [0, 1), got {value!r}.")
-        self.mix_weight = float(value)
-        if self.mix_static not in MIX_STATICS:
-            raise ValueError(f"mix_static must be one of {MIX_STATICS}, got {self.mix_static!r}.")
-        if self.last_stage not in LAST_STAGES:
-            raise ValueError(f"last_stage must be one of {LAST_STAGES}, got {self.last_stage!r}.")
         self._check_float("codebook_learning_rate", positive=True)
         self._check_float("kl_weight", positive=False)
         self._check_int("kl_queries", 1)
         self._check_bool("log_kl")
 
     def _check_int(self, name: str, minimum: int) -> None:
-        value = getattr(self, name)
-        if not _is_int(value) or value < minimum:
-            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+        check_positive_int(name, getattr(self, name), minimum=minimum)
 
     def _check_bool(self, name: str) -> None:
         value = getattr(self, name)
@@ -259,7 +245,7 @@ class MidxConfig:
 
     def _check_float(self, name: str, *, positive: bool) -> None:
         value = getattr(self, name)
-        ok = _is_number(value) and value == value and abs(value) != float("inf")
+        ok = is_number(value) and value == value and abs(value) != float("inf")
         ok = ok and (value > 0 if positive else value >= 0)
         if not ok:
             raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}.")
@@ -401,3 +387,17 @@ class MidxConfig:
             raise ValueError(
                 f"{repo_id!r} is neither a local directory or file nor a Hub repo with {CONFIG_NAME} ({err})."
             ) from err
+
+
+def _fields_doc(cls) -> str:
+    """The "Fields" section of a config dataclass's docstring: each field's name, default and ``help``."""
+    lines = ["", "", "    Fields (each with its default):", ""]
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        text = f"* ``{f.name}`` = ``{default!r}``: {f.metadata['help']}"
+        lines.append(textwrap.fill(text, width=110, initial_indent="    ", subsequent_indent="      ", break_on_hyphens=False))
+    return "\n".join(lines) + "\n"
+
+
+# Generated from the fields' help, so that help(MidxConfig) cannot drift from the fields.
+MidxConfig.__doc__ = MidxConfig.__doc__.rstrip() + _fields_doc(MidxConfig)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import quantizers
+from . import defaults, quantizers
 from ._checks import check_matrix, check_positive_int
 
 
@@ -32,9 +32,9 @@ class MidxIndex:
         codebooks: tuple[torch.Tensor, torch.Tensor],
         codes: torch.Tensor,
         *,
-        kmeans_iters: int = 20,
-        kmeans_backend: str = "torch",
-        seed: int = 0,
+        kmeans_iters: int = defaults.KMEANS_ITERS,
+        kmeans_backend: str = defaults.KMEANS_BACKEND,
+        seed: int = defaults.SEED,
     ) -> None:
         if quantizer not in quantizers.QUANTIZERS:
             raise ValueError(f"Unknown quantizer {quantizer!r}; choose one of {quantizers.QUANTIZERS}.")
@@ -49,13 +49,13 @@ class MidxIndex:
     def build(
         cls,
         embeddings: torch.Tensor,
-        codebook_size: int = 64,
+        codebook_size: int = defaults.CODEBOOK_SIZE,
         *,
         quantizer: str = "rq",
-        kmeans_iters: int = 20,
-        kmeans_backend: str = "torch",
+        kmeans_iters: int = defaults.KMEANS_ITERS,
+        kmeans_backend: str = defaults.KMEANS_BACKEND,
         init: tuple[torch.Tensor, torch.Tensor] | None = None,
-        seed: int = 0,
+        seed: int = defaults.SEED,
         check: bool = True,
     ) -> "MidxIndex":
         """Quantize (V, D) ``embeddings`` with two K-codeword codebooks and index the classes.
@@ -169,10 +169,30 @@ class MidxIndex:
         codes = self.codes if ids is None else self.codes[ids]
         return quantizers.decode(self.quantizer, codes, self.codebooks)
 
-    def members(self, k1: int, k2: int) -> torch.Tensor:
-        """Class ids in bucket Omega(k1, k2), (|Omega|,) int64 (one slice of the CSR order)."""
-        b = k1 * self.codebook_size + k2
-        return self.order[self.offsets[b] : self.offsets[b + 1]]
+    def draw_members(
+        self, buckets: torch.Tensor, u: torch.Tensor, cum_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """A class of each given bucket, by inverse CDF over its slice ``order[offsets[b]:offsets[b + 1]]``.
+
+        Args:
+            buckets: (T, M) int64 non-empty bucket ids b = k1 * K + k2.
+            u: (T, M) float64 uniforms in [0, 1).
+            cum_weights: None to draw uniformly inside the bucket; else the classes' cumulative weights
+                in CSR order with a leading 0, (V + 1,) shared by all rows or (T, V + 1) one per row (float64).
+        Returns:
+            (T, M) int64 class ids.
+        """
+        lo, hi = self.offsets[buckets], self.offsets[buckets + 1]
+        if cum_weights is None:
+            pos = lo + torch.minimum((u * (hi - lo)).long(), hi - lo - 1)
+        else:
+            if cum_weights.dim() == 1:
+                base, top = cum_weights[lo], cum_weights[hi]
+            else:
+                base, top = cum_weights.gather(1, lo), cum_weights.gather(1, hi)
+            pos = torch.searchsorted(cum_weights, base + u * (top - base), right=True) - 1
+            pos = torch.maximum(torch.minimum(pos, hi - 1), lo)
+        return self.order[pos]
 
     def distortion(self, embeddings: torch.Tensor) -> float:
         """Mean squared quantization error of the indexed (V, D) embeddings."""

@@ -23,22 +23,35 @@ H the n-scaled tail estimate adds to the exact head mass, so the proposal only h
 tail's share of the partition function. Neither path ever builds a (T, V) tensor, and the training
 path reads nothing back to the host: ignored tokens are masked, not removed, so every shape is known
 from the inputs' shapes alone.
+
+The value and the gradient. The gradient of :func:`sampled_softmax_loss` is always the estimator's above.
+Its value, by default (``exact_value=True``), is instead an estimate of the exact cross-entropy from the
+same logits: the partition function Z estimated without bias,
+
+    value_t = -o_y + log( sum_{i in H} e^o_i + [y not in H] e^o_y + sum_{j != y} e^(o_j - log(M q_j)) )
+
+(M draws, accidental hits dropped), returned as ``objective + (value - objective).detach()``. So a logged
+loss reads like the full softmax's (the corrected-positive objective itself sits well below it, since its
+positive is one more candidate), comparable line by line with a full-softmax run; what is optimized does
+not change by a bit. With "exact-positive" and the hits dropped, the two are the same number.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from . import defaults
 from ._checks import check_ids, check_matrix, check_positive_int
-from .samplers import Sampler
+from .defaults import ESTIMATORS, NEGATIVE_MODES  # noqa: F401 (how the label's logit enters; the negatives modes)
 
-NEGATIVE_MODES = ("per-query", "shared")
+if TYPE_CHECKING:  # the loss only calls the sampler's hot-path methods; it needs no sampler module
+    from .samplers import Sampler
+
 REDUCTIONS = ("mean", "sum", "none")
-#: How the label's logit enters the estimator (see the module docstring).
-ESTIMATORS = ("exact-positive", "corrected-positive")
 
 # Bytes of one (chunk, R, D) gather of candidate embeddings in the forward: bounds its memory, and
 # keeps the chunks few (16 at T = 8192, M = 100, D = 640 in bf16), since each costs kernel launches.
@@ -158,15 +171,16 @@ def sampled_softmax_loss(
     num_samples: int,
     *,
     bias: torch.Tensor | None = None,
-    negatives: str = "per-query",
+    negatives: str = defaults.NEGATIVES,
     ignore_index: int = -100,
     remove_accidental_hits: bool | None = None,
     reduction: str = "mean",
     logit_softcap: float | None = None,
     generator: torch.Generator | None = None,
-    estimator: str = "corrected-positive",
+    estimator: str = defaults.ESTIMATOR,
     exact_ids: torch.Tensor | None = None,
     check_labels: bool = True,
+    exact_value: bool = True,
 ) -> torch.Tensor:
     """Sampled-softmax cross-entropy corrected by the proposal (an estimator of the full loss).
 
@@ -196,13 +210,13 @@ def sampled_softmax_loss(
             ``sampler.excluded`` is the sorted set), else ValueError. None (the default)
             scores no class exactly: choosing the H most frequent classes needs class counts, which
             this function does not see. ``MidxConfig().exact_head`` (2,048) is the head that
-            ``MidxLMHead`` builds from ``class_counts``, and the defensive mixture ``MidxConfig().mix_weight``
-            (0.5) is likewise applied where the sampler is built from a config; a sampler built
-            directly (``build_sampler``) has neither unless asked.
+            ``MidxLMHead`` builds from ``class_counts``; build the sampler with ``exclude=`` those ids.
         check_labels: range-check the labels with a ValueError, which reads them on the host (one
             device sync). With False a device-side assertion checks them instead (the training path);
             under ``torch.compile`` the device-side assertion is used either way, so that a compiled
             loss has no graph break.
+        exact_value: return as the value an estimate of the exact cross-entropy (the default), with the
+            gradient of the sampled objective; False returns the objective itself (see the module docstring).
     Returns:
         float32 scalar (or (T,) for "none").
     """
@@ -219,6 +233,8 @@ def sampled_softmax_loss(
             "remove_accidental_hits must be True, False or None (the estimator's choice), "
             f"got {remove_accidental_hits!r}."
         )
+    if not isinstance(exact_value, bool):
+        raise ValueError(f"exact_value must be True or False, got {exact_value!r}.")
     if sampler.num_classes != weight.shape[0]:
         raise ValueError(
             f"The sampler indexes {sampler.num_classes} classes but weight has {weight.shape[0]} rows; "
@@ -305,14 +321,34 @@ def sampled_softmax_loss(
     else:
         pos_term = pos
         target = pos
+    drops = drops_accidental_hits(remove_accidental_hits, estimator)
+    value = None
+    if exact_value and not (estimator == "exact-positive" and drops):  # else the objective is that estimate
+        value = _exact_estimate(head, pos, in_head, neg, log_q, hits, num_samples)
     neg = neg - (n.log().unsqueeze(1) + log_q)
-    if drops_accidental_hits(remove_accidental_hits, estimator):
+    if drops:
         neg = neg.masked_fill(hits, -math.inf)
     pos_term = pos_term.masked_fill(in_head, -math.inf)
     terms = torch.cat([head, pos_term.unsqueeze(1), neg], dim=1)
     per_token = torch.logsumexp(terms, dim=1) - target
+    if value is not None:
+        # The estimate's value, the objective's gradient: adding a constant leaves the backward untouched.
+        per_token = per_token + (value - per_token.detach())
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
     return _reduce(per_token, valid, reduction)
+
+
+@torch.no_grad()
+def _exact_estimate(head, pos, in_head, neg, log_q, hits, num_draws: int) -> torch.Tensor:
+    """(T,) float32 estimate of the exact cross-entropy log Z - o_y, Z estimated without bias (no gradient).
+
+    head (T, H), pos (T,) and neg (T, M) or (T, P) are the (capped) logits already computed; log_q their
+    proposal's log-probabilities, (T, M) or (1, P); hits (T, M or P) the draws equal to the label, dropped:
+    sum_{j != y} e^o_j / (M q_j) estimates the tail's mass without the label, whose term is added exactly.
+    """
+    tail = (neg - (math.log(num_draws) + log_q)).masked_fill(hits, -math.inf)
+    tail = torch.cat([pos.masked_fill(in_head, -math.inf).unsqueeze(1), tail], dim=1)
+    return torch.logaddexp(torch.logsumexp(head, dim=1), torch.logsumexp(tail, dim=1)) - pos
 
 
 def full_softmax_loss(

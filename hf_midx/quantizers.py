@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from . import defaults
 from ._checks import check_matrix, check_positive_int
+from .defaults import KMEANS_BACKENDS
 
 QUANTIZERS = ("pq", "rq")
-KMEANS_BACKENDS = ("torch", "faiss")
 
 # Rows of the (chunk, K) distance matrix per step: keeps k-means at O(chunk * K) extra memory.
 _ASSIGN_CHUNK = 65536
@@ -146,10 +147,10 @@ def kmeans(
     x: torch.Tensor,
     num_clusters: int,
     *,
-    iters: int = 20,
+    iters: int = defaults.KMEANS_ITERS,
     init: torch.Tensor | None = None,
-    seed: int = 0,
-    backend: str = "torch",
+    seed: int = defaults.SEED,
+    backend: str = defaults.KMEANS_BACKEND,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K-means with the chosen backend ("torch" or "faiss"); see :func:`kmeans_torch`."""
     if backend not in KMEANS_BACKENDS:
@@ -212,10 +213,10 @@ def train_quantizer(
     x: torch.Tensor,
     num_codewords: int,
     *,
-    iters: int = 20,
+    iters: int = defaults.KMEANS_ITERS,
     init: tuple[torch.Tensor, torch.Tensor] | None = None,
-    seed: int = 0,
-    backend: str = "torch",
+    seed: int = defaults.SEED,
+    backend: str = defaults.KMEANS_BACKEND,
     check: bool = True,
     max_points_per_centroid: int | None = MAX_POINTS_PER_CENTROID,
 ) -> TwoLevelCodes:

@@ -102,17 +102,29 @@ class CounterRNG:
         u = self.rand(*shape, dtype=torch.float64)
         return torch.clamp((u * high).long(), max=high - 1)
 
-    def categorical(self, weights: torch.Tensor, num: int) -> torch.Tensor:
-        """``num`` i.i.d. draws per row from unnormalized non-negative ``weights`` (..., K), (..., num) int64.
+    def categorical(
+        self, weights: torch.Tensor, num: int, *, cumulative: bool = False, rows: int | None = None
+    ) -> torch.Tensor:
+        """``num`` i.i.d. draws per row from unnormalized non-negative ``weights`` (..., K): (..., num) int64.
 
-        Inverse CDF by ``searchsorted`` in the weights' precision (use float64 for long rows); a
-        zero-weight category is never returned, because the target stays strictly below the total.
+        Inverse CDF by ``searchsorted`` in the weights' precision (use float64 for long rows); a zero-weight
+        category is never returned, because the target stays strictly below the total.
+
+        Args:
+            cumulative: ``weights`` already are their cumulative sum (a table kept between calls).
+            rows: draw for this many rows from one (K,) table: (rows, num).
         """
-        cum = weights.cumsum(-1)
+        cum = weights if cumulative else weights.cumsum(-1)
         total = cum[..., -1:]
-        u = self.rand(*weights.shape[:-1], num, dtype=torch.float64 if cum.dtype == torch.float64 else torch.float32)
-        target = torch.minimum(u.to(cum.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
-        return torch.searchsorted(cum, target, right=True).clamp_max(weights.shape[-1] - 1)
+        shape = cum.shape[:-1] if rows is None else (rows,)
+        u = self.rand(*shape, num, dtype=cum.dtype)
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        # The clamp only matters for a NaN weight (from NaN queries): searchsorted then returns K, and an
+        # index out of range would crash before the caller can say which tensor went NaN.
+        last = cum.shape[-1] - 1
+        if rows is None:
+            return torch.searchsorted(cum, target, right=True).clamp_max(last)
+        return torch.searchsorted(cum, target.reshape(-1), right=True).clamp_max(last).view(rows, num)
 
     def __repr__(self) -> str:
         return f"CounterRNG(device={self.device})"

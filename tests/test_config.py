@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 
@@ -12,7 +13,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from hf_midx import MidxConfig, build_sampler  # noqa: E402
+from hf_midx import MidxConfig, MidxIndex, build_sampler, sampled_softmax_loss  # noqa: E402
 from hf_midx.config import CONFIG_NAME  # noqa: E402
 from hf_midx.samplers import SAMPLER_OPTIONS, SAMPLERS  # noqa: E402
 from hf_midx.version import __version__  # noqa: E402
@@ -32,6 +33,40 @@ def test_defaults_are_valid_and_documented():
     for f in dataclasses.fields(MidxConfig):
         assert f.metadata.get("help"), f"field {f.name} has no help"
     assert CONFIG_NAME == "midx_config.json"
+
+
+def test_the_docstring_lists_every_field_with_its_default_and_help():
+    doc = MidxConfig.__doc__
+    for f in dataclasses.fields(MidxConfig):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        assert f"``{f.name}`` = ``{default!r}``" in doc, f.name
+        assert " ".join(f.metadata["help"].split()[:4]) in " ".join(doc.split()), f.name
+
+
+def test_the_low_level_builders_take_the_config_defaults():
+    """One source of defaults: build_sampler("midx-rq", w) is MidxConfig()'s sampler (the same K, mixture and
+    last stage, the same draws), and the loss's default estimator and negatives are the config's."""
+    w = torch.randn(300, 16, generator=torch.Generator().manual_seed(0))
+    counts = torch.arange(300) % 11
+    q = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
+    config = MidxConfig()
+    bare = build_sampler("midx-rq", w, class_counts=counts)
+    configured = build_sampler(config.sampler, w, class_counts=counts, **config.sampler_kwargs())
+    for s in (bare, configured):
+        assert s.name == config.sampler and s.index.codebook_size == config.codebook_size == 32
+        assert (s.mix_weight, s.mix_static, s.last_stage) == (config.mix_weight, config.mix_static, config.last_stage)
+    assert bare.mix_weight == 0.5
+    assert torch.equal(bare.sample(q, 50)[0], configured.sample(q, 50)[0])
+    loss = inspect.signature(sampled_softmax_loss).parameters
+    assert loss["estimator"].default == config.estimator == "corrected-positive"
+    assert loss["negatives"].default == config.negatives
+    index = inspect.signature(MidxIndex.build).parameters
+    assert index["codebook_size"].default == config.codebook_size
+    assert index["kmeans_iters"].default == config.kmeans_iters
+    # Without class counts both give up the unigram component alike, and say so.
+    for kwargs in ({}, config.sampler_kwargs()):
+        with pytest.warns(UserWarning, match="mix_static='unigram' needs class_counts"):
+            assert build_sampler("midx-rq", w, **kwargs).mix_weight == 0.0
 
 
 def test_num_samples_defaults_to_the_negatives_modes_own(tmp_path):

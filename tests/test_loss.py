@@ -44,6 +44,12 @@ class FixedDraws(Sampler):
     def score_shared(self, queries, ids, row_weights=None):
         return self.log_q_of[ids]
 
+    def draw_scored(self, queries, num_samples, ids, generator=None):
+        return (*self.draw(queries, num_samples), self.score(queries, ids))
+
+    def draw_shared_scored(self, queries, num_samples, ids, row_weights=None, generator=None):
+        return (*self.draw_shared(queries, num_samples, row_weights), self.score_shared(queries, ids))
+
 
 def _inputs(t=10, *, seed=0, dtype=torch.float32, bias=True):
     g = torch.Generator().manual_seed(seed)
@@ -115,7 +121,7 @@ def test_per_query_matches_reference(reduction, with_bias, remove):
     ids, log_q = _draws(10, 16, labels=labels.clamp_min(0))
     sampler = FixedDraws(V, D, ids, log_q)
     loss = sampled_softmax_loss(hidden, weight, labels, sampler, 16, bias=bias, reduction=reduction,
-                                remove_accidental_hits=remove, estimator="exact-positive")
+                                remove_accidental_hits=remove, estimator="exact-positive", exact_value=False)
     ref = reference_loss(hidden, weight, labels, ids[valid], log_q[valid], bias=bias, reduction=reduction,
                          remove_accidental_hits=remove)
     _compare(loss, ref, (hidden, weight, bias))
@@ -162,9 +168,14 @@ def test_accidental_hits_are_removed():
     sampler = FixedDraws(V, D, ids, log_q)
     loss = sampled_softmax_loss(hidden, weight, labels, sampler, 5, reduction="none", estimator="exact-positive")
     torch.testing.assert_close(loss, torch.zeros(4), atol=0, rtol=0)
-    kept = sampled_softmax_loss(hidden, weight, labels, sampler, 5, reduction="none", remove_accidental_hits=False, estimator="exact-positive")
+    kept = sampled_softmax_loss(hidden, weight, labels, sampler, 5, reduction="none", remove_accidental_hits=False,
+                                estimator="exact-positive", exact_value=False)
     # Kept, the 5 copies add 5 exp(o_y - log(5 q)) = exp(o_y + 1) to exp(o_y): loss = log(1 + e).
     torch.testing.assert_close(kept, torch.full((4,), math.log1p(math.e)), atol=1e-6, rtol=1e-6)
+    # The value estimates the exact loss whatever the objective: the hits are dropped there.
+    value = sampled_softmax_loss(hidden, weight, labels, sampler, 5, reduction="none", remove_accidental_hits=False,
+                                 estimator="exact-positive")
+    torch.testing.assert_close(value, torch.zeros(4), atol=1e-6, rtol=0)
 
 
 def test_mean_is_sum_over_valid_tokens():
@@ -469,12 +480,25 @@ def test_estimators_with_exact_head_match_reference(estimator, with_head, negati
     log_q = log_q_of[ids]
     shared = negatives == "shared"
     sampler = FixedDraws(V, D, ids, log_q, ids[0], log_q[0], log_q_of=log_q_of, exclude=exact_ids)
-    loss = sampled_softmax_loss(hidden, weight, labels, sampler, 9, bias=bias, negatives=negatives,
-                                reduction=reduction, estimator=estimator, exact_ids=exact_ids)
-    ref = general_reference(hidden, weight, labels, ids[0] if shared else ids, log_q[0] if shared else log_q,
-                            log_q_of, bias=bias, shared=shared, exact_ids=exact_ids, estimator=estimator,
-                            reduction=reduction)
-    _compare(loss, ref, (hidden, weight, bias))
+
+    def run(exact_value):
+        return sampled_softmax_loss(hidden, weight, labels, sampler, 9, bias=bias, negatives=negatives,
+                                    reduction=reduction, estimator=estimator, exact_ids=exact_ids,
+                                    exact_value=exact_value)
+
+    draws = (ids[0], log_q[0]) if shared else (ids, log_q)
+    kwargs = dict(bias=bias, shared=shared, exact_ids=exact_ids, reduction=reduction)
+    _compare(run(False), general_reference(hidden, weight, labels, *draws, log_q_of, estimator=estimator, **kwargs),
+             (hidden, weight, bias))
+    # The default value is the unbiased partition-function form (the exact-positive one, hits dropped)...
+    value = run(True)
+    estimate = general_reference(hidden, weight, labels, *draws, log_q_of, estimator="exact-positive", remove=True,
+                                 **kwargs)
+    torch.testing.assert_close(value.double(), estimate, atol=1e-5, rtol=1e-5)
+    # ...with the objective's gradient, to the bit.
+    leaves = [x for x in (hidden, weight, bias) if x is not None]
+    for got, want in zip(_grads(value, leaves), _grads(run(False), leaves), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_exact_positive_form_reduces_to_the_paper_when_nothing_is_exact():
@@ -503,7 +527,8 @@ def test_exact_proposal_with_exact_head_gives_the_full_loss_plus_the_known_term(
     ids = torch.multinomial(log_tail.exp(), 5, replacement=True, generator=g)
     sampler = FixedDraws(V, D, ids, log_tail.gather(1, ids), exclude=exact_ids)
     loss = sampled_softmax_loss(hidden, weight, labels, sampler, 5, bias=bias, exact_ids=exact_ids,
-                                remove_accidental_hits=False, reduction="none", estimator="exact-positive")
+                                remove_accidental_hits=False, reduction="none", estimator="exact-positive",
+                                exact_value=False)
     log_z = torch.logsumexp(logits, 1)
     o_y = logits.gather(1, labels.unsqueeze(1)).squeeze(1)
     in_head = torch.isin(labels, exact_ids)
@@ -637,3 +662,47 @@ def test_remove_accidental_hits_must_be_a_bool_or_none():
     ids, log_q = _draws(labels.shape[0], 8, labels=labels)
     with pytest.raises(ValueError, match="remove_accidental_hits must be True, False or None"):
         sampled_softmax_loss(hidden, weight, labels, FixedDraws(V, D, ids, log_q), 8, remove_accidental_hits="yes")
+
+
+# ------------------------------------------------------------------------------------------ the value
+def _peaked_problem(v=500, d=16, t=256, seed=0):
+    """Clustered class embeddings and labels drawn from the model's own softmax (so the exact loss is its entropy)."""
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(10, d, generator=g)
+    weight = centers[torch.randint(10, (v,), generator=g)] + 0.5 * torch.randn(v, d, generator=g)
+    hidden = torch.randn(t, d, generator=g)
+    labels = torch.multinomial(torch.softmax(hidden @ weight.t(), 1), 1, generator=g).squeeze(1)
+    return hidden, weight, labels
+
+
+def test_the_value_estimates_the_exact_loss_and_the_objective_does_not():
+    """With Q the softmax itself (midx-exact) every importance weight is Z / M: the value is within 1% of the
+    full softmax's loss for every seed, while the corrected-positive objective sits > 5% below it. With the
+    default midx-rq proposal (M = 20, a peaked softmax) the value is within 10% (log of an unbiased Z: a
+    little low), the objective about half."""
+    hidden, weight, labels = _peaked_problem()
+    exact = float(full_softmax_loss(hidden, weight, labels))
+    counts = torch.bincount(labels, minlength=weight.shape[0])
+    for name, value_tol, objective_gap in (("midx-exact", 0.01, 0.05), ("midx-rq", 0.10, 0.30)):
+        sampler = build_sampler(name, weight, codebook_size=8, class_counts=counts)
+        for seed in range(5):
+            def run(exact_value):
+                gen = torch.Generator().manual_seed(seed)
+                return float(sampled_softmax_loss(hidden, weight, labels, sampler, 20, generator=gen,
+                                                  exact_value=exact_value))
+            value, objective = run(True), run(False)
+            assert abs(value - exact) < value_tol * exact, (name, seed, value, exact)
+            assert objective < (1 - objective_gap) * exact, (name, seed, objective, exact)
+
+
+@pytest.mark.parametrize("negatives", ["per-query", "shared"])
+def test_the_per_token_value_estimates_each_tokens_exact_loss(negatives):
+    """reduction="none": each token's value is its own estimate; with the exact proposal and many draws, each
+    is within 2% of that token's full-softmax loss (shared: qbar, the batch mixture, is still a fair proposal)."""
+    hidden, weight, labels = _peaked_problem(t=32)
+    exact = full_softmax_loss(hidden, weight, labels, reduction="none")
+    sampler = build_sampler("midx-exact", weight, codebook_size=8)
+    num = 2000 if negatives == "per-query" else 20000
+    value = sampled_softmax_loss(hidden, weight, labels, sampler, num, negatives=negatives, reduction="none",
+                                 generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(value, exact, atol=0.02 * float(exact.mean()), rtol=0.02)

@@ -7,6 +7,7 @@ Every statistical threshold comes from :func:`conftest.goodness_of_fit` (alpha =
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -85,8 +86,8 @@ def test_variant_shared_pool_fits_the_weighted_mixture(key, variants, problem, f
     p = 100_000
     ids, log_qbar = s.sample_shared(q, p, generator=torch.Generator().manual_seed(12), row_weights=w)
     qbar = (s.full_log_prob(q).double().exp() * (w / w.sum()).double().unsqueeze(1)).sum(0)
-    torch.testing.assert_close(log_qbar, s.log_prob_shared(q, ids, row_weights=w), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(s.log_prob_shared(q, torch.arange(V), row_weights=w).double().exp(), qbar, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(log_qbar, s.score_shared(q, ids, row_weights=w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s.score_shared(q, torch.arange(V), row_weights=w).double().exp(), qbar, atol=1e-6, rtol=1e-4)
     fits(torch.bincount(ids, minlength=V), qbar, f"{key} weighted sample_shared() pool")
 
 
@@ -94,7 +95,7 @@ def test_frequency_last_stage_is_its_closed_form(problem):
     """Q(i | z) = exp(s1[k1(i)] + s2[k2(i)]) w_i / sum_b W_b exp(s1 + s2), w_i = count_i + 1."""
     emb, queries = problem
     counts = _counts()
-    s = build_sampler("midx-rq", emb, codebook_size=K, class_counts=counts, last_stage="frequency")
+    s = build_sampler("midx-rq", emb, codebook_size=K, class_counts=counts, last_stage="frequency", mix_weight=0.0)
     s1, s2, _ = s.codeword_scores(queries)
     codes = s.index.codes
     logit = s1[:, codes[:, 0]] + s2[:, codes[:, 1]] + (counts + 1.0).log().float()
@@ -104,7 +105,7 @@ def test_frequency_last_stage_is_its_closed_form(problem):
 def test_mixture_is_the_convex_combination(problem):
     emb, queries = problem
     counts = _counts()
-    plain = build_sampler("midx-rq", emb, codebook_size=K, class_counts=counts)
+    plain = build_sampler("midx-rq", emb, codebook_size=K, class_counts=counts, mix_weight=0.0)
     mixed = build_sampler("midx-rq", emb, codebook_size=K, class_counts=counts, mix_weight=0.3)
     unigram = build_sampler("unigram", emb, class_counts=counts)
     expected = 0.7 * plain.full_log_prob(queries).double().exp() + 0.3 * unigram.full_log_prob(queries).double().exp()
@@ -130,7 +131,7 @@ def test_without_counts_the_variants_degrade_with_a_warning(problem):
     with pytest.warns(UserWarning, match="need class_counts"):
         s = build_sampler("midx-rq", emb, codebook_size=K, last_stage="frequency", mix_weight=0.5)
     assert s.last_stage == "uniform" and s.mix_weight == 0.0
-    plain = build_sampler("midx-rq", emb, codebook_size=K)
+    plain = build_sampler("midx-rq", emb, codebook_size=K, mix_weight=0.0)
     torch.testing.assert_close(s.full_log_prob(queries), plain.full_log_prob(queries))
     # An explicitly uniform static component needs no counts and stays.
     u = build_sampler("midx-rq", emb, codebook_size=K, mix_weight=0.5, mix_static="uniform")
@@ -172,8 +173,42 @@ def test_an_option_of_another_sampler_is_refused_naming_its_owner(name, option, 
 
 
 def test_every_sampler_builds_with_each_of_its_own_options_listed(problem):
+    """Each listed option is a keyword of the sampler with a default, and that default passes its own check."""
     for name, cls in SAMPLERS.items():
-        check_sampler_options(name, dict.fromkeys(cls.options))  # no error: the table is consistent
+        own = {}
+        for option in cls.options:
+            klass = next(c for c in cls.__mro__ if option in inspect.signature(c.__init__).parameters)
+            own[option] = inspect.signature(klass.__init__).parameters[option].default
+        assert inspect.Parameter.empty not in own.values(), (name, own)
+        check_sampler_options(name, own)
+        build_sampler(name, problem[0], codebook_size=K, class_counts=_counts(), **own)
+
+
+@pytest.mark.parametrize(
+    "name, options, message",
+    [
+        ("midx-rq", dict(kmeans_iters=-1), "kmeans_iters must be an integer >= 0"),
+        ("midx-exact", dict(kmeans_backend="sklearn"), "kmeans_backend must be one of"),
+        ("midx-exact", dict(quantizer="opq"), "quantizer must be one of"),
+        ("midx-pq", dict(last_stage="softmax"), "last_stage must be one of"),
+        ("midx-rq", dict(mix_weight=1.0), r"mix_weight must be a number in \[0, 1\)"),
+        ("midx-rq", dict(mix_static="zipf"), "mix_static must be one of"),
+        ("midx-rq", dict(last_stage="frequency", unigram_smoothing=0.0), "needs unigram_smoothing > 0"),
+        ("unigram", dict(unigram_power=-1.0), "unigram_power must be a number >= 0"),
+        ("sphere", dict(sphere_alpha=0), "sphere_alpha must be a number > 0"),
+        ("rff", dict(rff_features=0), "rff_features must be an integer >= 1"),
+        ("rff", dict(rff_temperature="hot"), "rff_temperature must be a number > 0"),
+        ("lsh", dict(lsh_bits=25), "use at most 24"),
+        ("lsh", dict(lsh_uniform_mix=1.5), r"lsh_uniform_mix must be a number in \[0, 1\]"),
+    ],
+)
+def test_each_sampler_checks_its_own_option_values_before_building(name, options, message, problem):
+    """The same check refuses a value at build time and, with no embeddings at all, in check_sampler_options
+    (what MidxConfig calls)."""
+    with pytest.raises(ValueError, match=message):
+        check_sampler_options(name, options)
+    with pytest.raises(ValueError, match=message):
+        build_sampler(name, problem[0], codebook_size=K, class_counts=_counts(), **options)
 
 
 # ------------------------------------------------------------------------------------------ exact head
@@ -194,7 +229,7 @@ def test_excluded_classes_are_never_drawn_and_have_log_prob_minus_inf(name, prob
     fits(torch.bincount(ids[0], minlength=V), lp[0].double().exp(), f"{name} exclude sample()")
     pool, log_qbar = s.sample_shared(q, 4096)
     assert not bool(torch.isin(pool, exclude).any())
-    torch.testing.assert_close(log_qbar, s.log_prob_shared(q, pool), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(log_qbar, s.score_shared(q, pool), atol=1e-5, rtol=1e-5)
     s.refresh(emb * 1.1)  # a rebuild keeps the exclusion
     assert not bool(torch.isin(s.sample(q, 256)[0], exclude).any())
 
@@ -241,10 +276,10 @@ def test_draw_and_score_equal_the_checked_methods(problem):
     w[::2] = 0.0
     s.generator.set_state(state)
     pool, lq = s.draw_shared(queries, 64, row_weights=w)
-    torch.testing.assert_close(lq, s.log_prob_shared(queries, pool, row_weights=w))
+    torch.testing.assert_close(lq, s.score_shared(queries, pool, row_weights=w))
     torch.testing.assert_close(s.score_shared(queries, pool, row_weights=w), lq)
     # Zero-weight rows do not enter qbar: the same as the mixture of the other rows alone.
-    torch.testing.assert_close(lq, s.log_prob_shared(queries[1::2], pool), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lq, s.score_shared(queries[1::2], pool), atol=1e-5, rtol=1e-5)
 
 
 def test_row_weights_are_checked(problem):

@@ -95,18 +95,18 @@ def test_few_draws_per_query_match_log_prob(name, samplers, problem, fits):
 
 @pytest.mark.parametrize("name", ALL)
 def test_sample_shared_matches_batch_mixture(name, samplers, problem, fits):
-    """The shared pool fits qbar = mean_t Q(. | z_t); log_qbar equals log_prob_shared and the mixture."""
+    """The shared pool fits qbar = mean_t Q(. | z_t); log_qbar equals score_shared and the mixture."""
     _, queries = problem
     s = samplers[name]
     q = queries[:4]
     p = 100_000
     ids, log_qbar = s.sample_shared(q, p, generator=torch.Generator().manual_seed(12))
     assert ids.shape == (p,) and log_qbar.shape == (p,) and bool(torch.isfinite(log_qbar).all())
-    torch.testing.assert_close(log_qbar, s.log_prob_shared(q, ids), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(log_qbar, s.score_shared(q, ids), atol=1e-5, rtol=1e-5)
     # The mixture computed independently from the per-query probabilities.
     all_ids = torch.arange(V)
     qbar = s.full_log_prob(q).double().exp().mean(0)
-    torch.testing.assert_close(s.log_prob_shared(q, all_ids).double().exp(), qbar, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(s.score_shared(q, all_ids).double().exp(), qbar, atol=1e-6, rtol=1e-4)
     fits(torch.bincount(ids, minlength=V), qbar, f"{name} sample_shared() pool")
 
 
@@ -136,10 +136,10 @@ def test_own_generator_is_used_and_advances(problem):
 def test_midx_log_prob_is_eq_midx_uni(name, samplers, problem):
     """Eq. midx_uni: Q(i | z) = softmax_i(z . q_hat_i), q_hat_i = c1[k1(i)] (+ or concat) c2[k2(i)].
 
-    Computed here from the index's codebooks and codes alone, in float64.
+    Computed here from the index's codebooks and codes alone, in float64; the paper's MIDX alone (no mixture).
     """
-    _, queries = problem
-    s = samplers[name]
+    emb, queries = problem
+    s = _build(name, emb, mix_weight=0.0)
     c1, c2 = (c.double() for c in s.index.codebooks)
     codes = s.index.codes
     if name == "midx-rq":

@@ -1,16 +1,19 @@
 """Proposal distributions Q(i | z) for sampled softmax, one interface for all of the paper's samplers.
 
-One module per family: :mod:`.base` (the interface, the registry, :func:`build_sampler`), :mod:`.midx`
-(midx-rq, midx-pq, midx-exact), :mod:`.static` (uniform, unigram, log-uniform), :mod:`.kernel` (sphere,
-rff) and :mod:`.lsh`. Importing this package registers all of them in :data:`SAMPLERS`.
+One module per family: :mod:`.base` (the interface), :mod:`.registry` (the names, the option table,
+:func:`build_sampler`), :mod:`.midx` (midx-rq, midx-pq, midx-exact), :mod:`.static` (uniform, unigram,
+log-uniform), :mod:`.kernel` (sphere, rff) and :mod:`.lsh`. Importing this package registers all of
+them in :data:`SAMPLERS`.
 """
 
 from __future__ import annotations
 
-from .base import SAMPLERS, Sampler, all_sampler_options, build_sampler, check_counts, check_sampler_options, register
-from .midx import LAST_STAGES, MIX_STATICS, MidxExactSampler, MidxPQSampler, MidxRQSampler, MidxSampler
+from ..defaults import LAST_STAGES, MIX_STATICS
+from .base import Sampler, check_counts
+from .registry import SAMPLERS, all_sampler_options, build_sampler, check_option_values, check_sampler_options, register
+from .midx import MidxExactSampler, MidxPQSampler, MidxQuantizedSampler, MidxRQSampler, MidxSampler  # noqa: I001
 from .static import LogUniformSampler, UniformSampler, UnigramSampler
-from .kernel import RFFSampler, SphereSampler  # noqa: I001 (registration order: MIDX, static, kernel, LSH)
+from .kernel import RFFSampler, SphereSampler  # (registration order: MIDX, static, kernel, LSH)
 from .lsh import LSHSampler
 
 #: Every option some sampler reads (the union of the per-sampler ``options`` tables).
@@ -26,6 +29,7 @@ __all__ = [
     "LogUniformSampler",
     "MidxExactSampler",
     "MidxPQSampler",
+    "MidxQuantizedSampler",
     "MidxRQSampler",
     "MidxSampler",
     "RFFSampler",
@@ -35,6 +39,7 @@ __all__ = [
     "UnigramSampler",
     "build_sampler",
     "check_counts",
+    "check_option_values",
     "check_sampler_options",
     "register",
 ]

@@ -1,36 +1,30 @@
-"""The proposal interface Q(i | z) shared by every sampler, the registry and :func:`build_sampler`.
+"""The proposal interface Q(i | z) shared by every sampler, and the helpers the samplers share.
 
 Shapes: T queries (hidden states), D dims, V classes, M draws per query, P draws in a shared pool,
 H classes excluded from the proposal (scored exactly by the loss), V' = V - H candidate classes.
 
-Every sampler offers
+One API in two forms. The hot path, unchecked and without a host sync: ``draw`` (M draws per query and
+their log Q), ``draw_shared`` (one pool from the batch mixture qbar), ``score`` / ``score_shared`` (log Q,
+log qbar of given ids) and ``draw_scored`` / ``draw_shared_scored`` (a draw plus the score of the labels
+from one evaluation of the proposal; :func:`hf_midx.sampled_softmax_loss` calls one per step). The public
+entry points ``sample``, ``sample_shared``, ``log_prob`` and ``full_log_prob`` are these with their
+arguments checked first (:meth:`Sampler.checked_queries`). Besides: ``refresh(embeddings)``,
+``state_dict`` / ``load_state_dict`` (tensors only, for safetensors) and the classmethod ``check_options``.
 
-* ``sample(queries (T, D), M) -> ids (T, M) int64, log_q (T, M) float32``: M i.i.d. draws per query and
-  the normalized log-probability of each draw under that query's proposal;
-* ``log_prob(queries (T, D), ids (T, ...)) -> (T, ...) float32``: log Q(id | query), normalized over V;
-* ``sample_shared(queries (T, D), P, row_weights=None) -> ids (P,), log_qbar (P,)``: one pool drawn from
-  the batch mixture qbar(i) = sum_t w_t Q(i | z_t) / sum_t w_t (w_t = 1 without ``row_weights``);
-* ``draw`` / ``draw_shared``: the same draws without any argument check and without a host sync, for
-  the training hot path; ``draw_scored`` / ``draw_shared_scored`` also return log Q of the labels
-  from the same evaluation of the proposal (:func:`hf_midx.sampled_softmax_loss` calls one per step);
-* ``refresh(embeddings (V, D))``: rebuild what the proposal keeps from the current class embeddings;
-* ``state_dict()`` / ``load_state_dict()``: tensors only, for safetensors checkpoints.
-
-A sampler built with ``exclude=ids`` (the exact head, see :func:`build_sampler`) covers only the other
-V' classes: it never draws an excluded id, ``log_prob`` of an excluded id is -inf, and its ids are
-always global ids in [0, V). Subclasses work in the local id space [0, V') of ``candidates``.
-
-All probabilities are computed in float32 log space whatever the model's dtype, and a sampled id never
-gets a -inf or NaN log-probability.
+A sampler built with ``exclude=ids`` (the exact head) covers only the other V' classes: it never draws an
+excluded id, scores it -inf, and speaks global ids in [0, V); subclasses implement hooks in the local
+ids [0, V') of ``candidates``. Probabilities are float32 log space whatever the model's dtype, and a
+sampled id never gets a -inf or NaN log-probability.
 """
 
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
+from .. import defaults
 from .._checks import check_ids, check_matrix, check_positive_int
 from ..rng import CounterRNG, as_counter_rng
 
@@ -47,28 +41,23 @@ def row_chunks(total: int, per_row: int):
         yield slice(start, min(start + step, total))
 
 
-def inverse_cdf(weights: torch.Tensor, num: int, gen: torch.Generator) -> torch.Tensor:
-    """``num`` i.i.d. draws per row from unnormalized non-negative ``weights`` (..., K) (float32/64).
+def mixture_log_prob(
+    log_prob_rows: Callable[[slice], torch.Tensor], num_queries: int, num_ids: int, log_w: torch.Tensor | None
+) -> torch.Tensor:
+    """log qbar of N ids under the batch mixture qbar(i) = sum_t w_t Q(i | z_t), (N,) float32.
 
-    Returns (..., num) int64. Inverse-CDF sampling by ``searchsorted``; a zero-weight category is never
-    returned, because the target stays strictly below the total.
+    ``log_prob_rows(rows)`` gives log Q(ids | z_t) for a slice of the T queries, (rows, N) float32;
+    ``log_w`` (T,) float32 normalized log weights, or None for equal weights. Accumulated over query
+    chunks, so no (T, N) tensor is built.
     """
-    return draw_from_cumsum(weights.cumsum(-1), num, gen)
-
-
-def draw_from_cumsum(cum: torch.Tensor, num: int, gen: torch.Generator, lead: tuple = ()) -> torch.Tensor:
-    """Inverse-CDF draws from a cumulative sum ``cum`` (..., K); ``lead`` replaces its leading shape
-    when ``cum`` is one (K,) table shared by all rows. Returns (*lead or cum.shape[:-1], num) int64."""
-    total = cum[..., -1:]
-    shape = lead if lead else cum.shape[:-1]
-    u = gen.rand(*shape, num, dtype=cum.dtype)
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    # The clamp only matters for a NaN weight (from NaN queries): searchsorted then returns K, and an
-    # index out of range would crash before the caller can say which tensor went NaN.
-    last = cum.shape[-1] - 1
-    if lead:
-        return torch.searchsorted(cum, target.reshape(-1), right=True).clamp_max(last).view(*shape, num)
-    return torch.searchsorted(cum, target, right=True).clamp_max(last)
+    out = None
+    for rows in row_chunks(num_queries, num_ids):
+        lp = log_prob_rows(rows)
+        if log_w is not None:
+            lp = lp + log_w[rows].unsqueeze(1)
+        part = torch.logsumexp(lp, dim=0)
+        out = part if out is None else torch.logaddexp(out, part)
+    return out if log_w is not None else out - math.log(num_queries)
 
 
 def check_counts(class_counts, num_classes: int, device) -> torch.Tensor:
@@ -86,21 +75,12 @@ def check_counts(class_counts, num_classes: int, device) -> torch.Tensor:
     return counts
 
 
-def unigram_log_table(counts: torch.Tensor, smoothing: float, power: float) -> torch.Tensor:
-    """(V,) float32 log of (count + smoothing) ** power, normalized; ValueError if all weights are 0."""
-    if smoothing < 0 or power < 0:
-        raise ValueError("unigram_smoothing and unigram_power must be >= 0.")
-    weights = (counts + smoothing) ** power
-    if not bool((weights > 0).any()):
-        raise ValueError("class_counts are all zero; pass real counts or unigram_smoothing > 0.")
-    return (weights / weights.sum()).log().float()
-
-
 class Sampler:
-    """Base class: validation, exclusion of exactly-scored classes, the shared-pool mixture, RNG and state.
+    """Base class: the API (checked and unchecked), exclusion of exactly-scored classes, the shared pool, RNG, state.
 
     Subclasses implement ``_sample``, ``_log_prob`` and ``refresh`` in local ids [0, V'); they may
-    override ``_log_prob_shared``, ``draw_scored`` and ``draw_shared_scored`` with faster versions.
+    override ``_sample_scored`` and ``_log_prob_shared`` with faster versions, and ``check_options``
+    to validate their options.
     """
 
     name: ClassVar[str] = ""
@@ -109,8 +89,12 @@ class Sampler:
     #: The sampler options (keyword arguments of build_sampler beyond the common ones) this sampler
     #: reads; the option table of :func:`check_sampler_options` is the union of these, one per sampler.
     options: ClassVar[tuple[str, ...]] = ()
+    #: attribute names of the tensors that, with the RNG state, define the sampler.
+    _state_names: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, embeddings: torch.Tensor, *, seed: int = 0, exclude: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, embeddings: torch.Tensor, *, seed: int = defaults.SEED, exclude: torch.Tensor | None = None
+    ) -> None:
         check_matrix("embeddings", embeddings)
         if embeddings.shape[0] < 1:
             raise ValueError("embeddings must have at least one class (row).")
@@ -121,6 +105,207 @@ class Sampler:
         # A counter-based stream on the device: draws trace under torch.compile and capture in CUDA graphs.
         self.generator = CounterRNG(seed, device=self.device)
         self._set_candidates(exclude)
+
+    @classmethod
+    def check_options(cls, **options) -> None:
+        """Validate the values of this sampler's ``options`` (a subset of :attr:`options`); ValueError.
+
+        The constructor calls it, and :class:`hf_midx.MidxConfig` through :func:`check_sampler_options`,
+        before any sampler is built. Subclasses check their own options and pass the rest on.
+        """
+
+    # ------------------------------------------------------------------ public API (checked)
+    def sample(
+        self, queries: torch.Tensor, num_samples: int, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`draw` with its arguments checked: M = ``num_samples`` i.i.d. draws from Q(. | z_t) per query,
+        (T, M) int64 ids and their (T, M) float32 log Q. ``queries`` may have any float dtype."""
+        return self.draw(self.checked_queries(queries, num_samples=num_samples), num_samples, generator)
+
+    def sample_shared(
+        self,
+        queries: torch.Tensor,
+        num_samples: int,
+        generator: torch.Generator | None = None,
+        row_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`draw_shared` with its arguments checked: one pool of P = ``num_samples`` (P,) int64 ids from the
+        batch mixture qbar, and their (P,) float32 log qbar; ``row_weights`` (T,) non-negative, positive sum."""
+        q = self.checked_queries(queries, num_samples=num_samples, row_weights=row_weights, pool=True)
+        return self.draw_shared(q, num_samples, row_weights, generator)
+
+    def log_prob(self, queries: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`score` with its arguments checked, for ``ids`` of any shape (T, ...) in [0, V): (T, ...) float32."""
+        q = self.checked_queries(queries, ids=ids)
+        # Explicit width (not -1): reshape(0, -1) is ambiguous for an empty batch of queries.
+        return self.score(q, ids.reshape(ids.shape[0], math.prod(ids.shape[1:]))).reshape(ids.shape)
+
+    def full_log_prob(self, queries: torch.Tensor) -> torch.Tensor:
+        """log Q(. | z) over all classes, (T, V) float32. O(T V): for tests and diagnostics only."""
+        q = self.checked_queries(queries)
+        return self.score(q, torch.arange(self.num_classes, device=self.device).expand(q.shape[0], -1))
+
+    def refresh(self, embeddings: torch.Tensor) -> None:
+        """Rebuild the proposal's tables from the current (V, D) class embeddings (in place)."""
+        raise NotImplementedError
+
+    def checked_queries(
+        self,
+        queries: torch.Tensor,
+        *,
+        num_samples: int | None = None,
+        ids: torch.Tensor | None = None,
+        row_weights: torch.Tensor | None = None,
+        pool: bool = False,
+    ) -> torch.Tensor:
+        """Validate the arguments of a checked entry point: (T, D) queries (any float dtype, finite), and
+        those given of ``num_samples`` (>= 1), ``ids`` ((T, ...) in [0, V)) and ``row_weights`` ((T,),
+        non-negative, positive sum); ``pool``: a shared pool, which needs T >= 1. Returns the queries
+        detached, float32, on the sampler's device: what the unchecked methods (and diagnostics) take."""
+        check_matrix("queries", queries, dim=self.dim)
+        t = queries.shape[0]
+        if num_samples is not None:
+            check_positive_int("num_samples", num_samples)
+        if ids is not None:
+            check_ids("ids", ids, self.num_classes)
+            if ids.dim() == 0 or ids.shape[0] != t:
+                raise ValueError(f"ids must have shape (T, ...) with T={t} queries, got {tuple(ids.shape)}.")
+        if pool and t == 0:
+            raise ValueError("sample_shared needs at least one query: the pool is drawn from their proposals.")
+        if row_weights is not None:
+            if not isinstance(row_weights, torch.Tensor) or tuple(row_weights.shape) != (t,):
+                raise ValueError(
+                    f"row_weights must be a ({t},) tensor, one weight per query, got "
+                    f"{tuple(getattr(row_weights, 'shape', ())) or type(row_weights).__name__}."
+                )
+            w = row_weights.double()
+            if not bool(torch.isfinite(w).all()) or bool((w < 0).any()) or not bool(w.sum() > 0):
+                raise ValueError("row_weights must be finite, non-negative and not all zero.")
+        return self._queries(queries)
+
+    # ------------------------------------------------------------------ hot path (unchecked, no host sync)
+    def draw(
+        self, queries: torch.Tensor, num_samples: int, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """M i.i.d. draws from Q(. | z_t) for each query (the loss's hot path).
+
+        Args:
+            queries: (T, D) float (used detached, in float32) on the sampler's device; num_samples: M >= 1;
+            generator: optional torch.Generator or CounterRNG; defaults to the sampler's own.
+        Returns:
+            ids (T, M) int64 global ids in [0, V), log_q (T, M) float32 log Q(ids | z_t), finite.
+        """
+        ids, log_q = self._sample(self._queries(queries), num_samples, as_counter_rng(generator, self.generator))
+        return self._to_global(ids), log_q
+
+    def draw_scored(
+        self, queries: torch.Tensor, num_samples: int, ids: torch.Tensor, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`draw` plus :meth:`score` of given ids (the labels, for the corrected-positive estimator),
+        from one evaluation of the proposal.
+
+        Args:
+            queries: (T, D) float; num_samples: M >= 1; ids: (T, N) int64 global ids in [0, V).
+        Returns:
+            draws (T, M) int64 global ids, their log_q (T, M) float32, and log Q(ids | z_t) (T, N)
+            float32 (-inf for excluded classes).
+        """
+        local, keep = self._local(ids.to(self.device))
+        gen = as_counter_rng(generator, self.generator)
+        draws, log_q, log_q_ids = self._sample_scored(self._queries(queries), num_samples, gen, local)
+        return self._to_global(draws), log_q, self._mask(log_q_ids, keep)
+
+    def draw_shared(
+        self,
+        queries: torch.Tensor,
+        num_samples: int,
+        row_weights: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pool of P classes from the batch mixture qbar(i) = sum_t w_t Q(i | z_t) / sum_t w_t (the hot path
+        of ``negatives="shared"``): each draw picks a query by its weight, then a class from its proposal.
+
+        Args:
+            queries: (T, D) float, T >= 1; num_samples: P >= 1.
+            row_weights: optional (T,) float weights, e.g. ``labels != ignore_index``: ignored tokens
+                neither pick draws nor enter qbar. All zero counts as all equal (no host check).
+        Returns:
+            ids (P,) int64 global ids; log_qbar (P,) float32 with
+            log qbar(i) = logsumexp_t(log w_t + log Q(i | z_t)) - log sum_t w_t.
+        """
+        q = self._queries(queries)
+        pool = self._draw_pool(q, num_samples, row_weights, as_counter_rng(generator, self.generator))
+        return self._to_global(pool), self._log_prob_shared(q, pool, self._log_row_weights(row_weights, q))
+
+    def draw_shared_scored(
+        self,
+        queries: torch.Tensor,
+        num_samples: int,
+        ids: torch.Tensor,
+        row_weights: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`draw_shared` plus :meth:`score_shared` of given (N,) ids, in one pass over the queries.
+
+        Returns:
+            pool (P,) int64 global ids, log_qbar (P,) float32, log qbar(ids) (N,) float32 (-inf for
+            excluded classes).
+        """
+        q = self._queries(queries)
+        pool = self._draw_pool(q, num_samples, row_weights, as_counter_rng(generator, self.generator))
+        local, keep = self._local(ids.to(self.device))
+        both = self._log_prob_shared(q, torch.cat([pool, local]), self._log_row_weights(row_weights, q))
+        return self._to_global(pool), both[:num_samples], self._mask(both[num_samples:], keep)
+
+    def score(self, queries: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """log Q(ids | z_t), normalized over all V classes.
+
+        Args:
+            queries: (T, D) float; ids: (T, N) int64 global ids in [0, V).
+        Returns:
+            (T, N) float32 log Q(ids | z_t); -inf for excluded classes.
+        """
+        local, keep = self._local(ids.to(self.device))
+        return self._mask(self._log_prob(self._queries(queries), local), keep)
+
+    def score_shared(
+        self, queries: torch.Tensor, ids: torch.Tensor, row_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """log qbar(ids) of (N,) global ids under the batch mixture of :meth:`draw_shared`, unchecked.
+
+        Args:
+            queries: (T, D) float, T >= 1; ids: (N,) int64 global ids; row_weights: as in :meth:`draw_shared`.
+        Returns:
+            (N,) float32 log qbar(ids); -inf for excluded classes.
+        """
+        q = self._queries(queries)
+        local, keep = self._local(ids.to(self.device))
+        return self._mask(self._log_prob_shared(q, local, self._log_row_weights(row_weights, q)), keep)
+
+    def _queries(self, queries: torch.Tensor) -> torch.Tensor:
+        return queries.detach().to(device=self.device, dtype=torch.float32)
+
+    def _draw_pool(self, q: torch.Tensor, num: int, row_weights: torch.Tensor | None, gen) -> torch.Tensor:
+        """(P,) local ids: each draw picks a query by its weight, then a class from that query's proposal."""
+        if not self.query_dependent:
+            return self._sample(q[:1], num, gen)[0][0]
+        if row_weights is None:
+            rows = gen.randint(q.shape[0], (num,))
+        else:
+            w = row_weights.detach().to(device=self.device, dtype=torch.float64)
+            # clamp: an all-zero weight vector (no valid token) must still index a row.
+            rows = gen.categorical(w, num).clamp_max(q.shape[0] - 1)
+        return self._sample(q[rows], 1, gen)[0][:, 0]
+
+    def _log_row_weights(self, row_weights: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+        """(T,) float32 log w_t - log sum_t w_t, or None for equal weights."""
+        if row_weights is None:
+            return None
+        w = row_weights.detach().to(device=self.device, dtype=torch.float32)
+        # All zero (every label of the batch ignored): equal weights keep qbar finite, so that the zero loss
+        # of such a batch has a zero gradient, not a NaN one (inf - inf in its logsumexp). No host sync.
+        w = torch.where(w.sum() > 0, w, torch.ones_like(w))
+        return w.log() - w.sum().log()
 
     # ------------------------------------------------------------------ exclusion
     def _set_candidates(self, exclude: torch.Tensor | None) -> None:
@@ -160,213 +345,38 @@ class Sampler:
     def _to_global(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.candidates is None else self.candidates[ids]
 
-    # ------------------------------------------------------------------ public API (validated)
-    def sample(
-        self, queries: torch.Tensor, num_samples: int, generator: torch.Generator | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draw ``num_samples`` classes i.i.d. from Q(. | z_t) for each query.
+    def _local(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Global ids -> (local ids, with excluded ones replaced by 0; keep mask or None)."""
+        if self._local_of is None:
+            return ids, None
+        local = self._local_of[ids]
+        return local.clamp_min(0), local >= 0
 
-        Args:
-            queries: (T, D) float tensor (any float dtype; used in float32, no gradient).
-            num_samples: M >= 1.
-            generator: optional torch.Generator on the sampler's device; defaults to the sampler's own.
-        Returns:
-            ids: (T, M) int64 in [0, V); log_q: (T, M) float32, log Q(ids | z_t), finite.
-        """
-        q = self.checked_queries(queries)
-        check_positive_int("num_samples", num_samples)
-        return self.draw(q, num_samples, generator=generator)
+    @staticmethod
+    def _mask(log_q: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """-inf where ``keep`` is False (an excluded class), as is without a mask."""
+        return log_q if keep is None else log_q.masked_fill(~keep, -math.inf)
 
-    def log_prob(self, queries: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """log Q(ids | z), normalized over all V classes (-inf for excluded classes).
-
-        Args:
-            queries: (T, D) float tensor.
-            ids: (T, ...) int64 class ids in [0, V).
-        Returns:
-            (T, ...) float32.
-        """
-        q = self.checked_queries(queries)
-        check_ids("ids", ids, self.num_classes)
-        if ids.dim() == 0 or ids.shape[0] != q.shape[0]:
-            raise ValueError(f"ids must have shape (T, ...) with T={q.shape[0]} queries, got {tuple(ids.shape)}.")
-        # Explicit width (not -1): reshape(0, -1) is ambiguous for an empty batch of queries.
-        flat = ids.reshape(ids.shape[0], math.prod(ids.shape[1:])).to(self.device)
-        return self._global_log_prob(q, flat).reshape(ids.shape)
-
-    def sample_shared(
-        self,
-        queries: torch.Tensor,
-        num_samples: int,
-        generator: torch.Generator | None = None,
-        row_weights: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draw one pool of P classes from the batch mixture qbar(i) = sum_t w_t Q(i | z_t) / sum_t w_t.
-
-        Each draw picks a query with probability proportional to its weight (uniformly without
-        ``row_weights``) and then a class from that query's proposal.
-
-        Args:
-            row_weights: optional (T,) non-negative float weights of the queries, with a positive sum.
-        Returns:
-            ids: (P,) int64; log_qbar: (P,) float32, log qbar(ids).
-        """
-        q = self.checked_queries(queries)
-        check_positive_int("num_samples", num_samples)
-        if q.shape[0] == 0:
-            raise ValueError("sample_shared needs at least one query.")
-        self._check_row_weights(row_weights, q.shape[0])
-        return self.draw_shared(q, num_samples, row_weights, generator=generator)
-
-    def log_prob_shared(
-        self, queries: torch.Tensor, ids: torch.Tensor, row_weights: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """log qbar(ids) for (P,) ids under the (weighted) mixture of the (T, D) queries' proposals; (P,) float32."""
-        q = self.checked_queries(queries)
-        check_ids("ids", ids, self.num_classes)
-        if ids.dim() != 1:
-            raise ValueError(f"ids must be 1-D (P,), got shape {tuple(ids.shape)}.")
-        if q.shape[0] == 0:
-            raise ValueError("log_prob_shared needs at least one query.")
-        self._check_row_weights(row_weights, q.shape[0])
-        return self.score_shared(q, ids, row_weights)
-
-    def full_log_prob(self, queries: torch.Tensor) -> torch.Tensor:
-        """log Q(. | z) over all classes, (T, V) float32. O(T V): for tests and diagnostics only."""
-        q = self.checked_queries(queries)
-        ids = torch.arange(self.num_classes, device=self.device).expand(q.shape[0], -1)
-        return self._global_log_prob(q, ids)
-
-    def refresh(self, embeddings: torch.Tensor) -> None:
-        """Rebuild the proposal's tables from the current (V, D) class embeddings (in place)."""
-        raise NotImplementedError
-
-    # ------------------------------------------------------------------ hot path (unchecked)
-    def draw(
-        self, queries: torch.Tensor, num_samples: int, generator: torch.Generator | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`sample` without argument checks and without a host sync (the loss's hot path).
-
-        Args:
-            queries: (T, D) float32 (detached here) on the sampler's device; num_samples: M >= 1.
-        Returns:
-            ids (T, M) int64 global ids, log_q (T, M) float32.
-        """
-        q = queries.detach().to(device=self.device, dtype=torch.float32)
-        ids, log_q = self._sample(q, num_samples, as_counter_rng(generator, self.generator))
-        return self._to_global(ids), log_q
-
-    def draw_shared(
-        self,
-        queries: torch.Tensor,
-        num_samples: int,
-        row_weights: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`sample_shared` without argument checks and without a host sync.
-
-        Args:
-            queries: (T, D) float32, T >= 1; num_samples: P >= 1.
-            row_weights: optional (T,) non-negative weights (e.g. the valid-token mask as float, so that
-                ignored tokens neither draw nor enter qbar), with a positive sum.
-        Returns:
-            ids (P,) int64 global ids; log_qbar (P,) float32 with
-            log qbar(i) = logsumexp_t(log w_t + log Q(i | z_t)) - log sum_t w_t.
-        """
-        q = queries.detach().to(device=self.device, dtype=torch.float32)
-        gen = as_counter_rng(generator, self.generator)
-        log_w = self._log_row_weights(row_weights, q)
-        if not self.query_dependent:
-            ids, log_q = self._sample(q[:1], num_samples, gen)
-            return self._to_global(ids[0]), log_q[0]
-        ids = self._draw_pool(q, num_samples, row_weights, gen)
-        return self._to_global(ids), self._log_prob_shared(q, ids, log_w)
-
-    def _draw_pool(self, q: torch.Tensor, num: int, row_weights: torch.Tensor | None, gen) -> torch.Tensor:
-        """(P,) local ids: each draw picks a query by its weight, then a class from that query's proposal."""
-        if row_weights is None:
-            rows = gen.randint(q.shape[0], (num,))
-        else:
-            w = row_weights.detach().to(device=self.device, dtype=torch.float64)
-            # clamp: an all-zero weight vector (no valid token) must still index a row.
-            rows = inverse_cdf(w, num, gen).clamp_max(q.shape[0] - 1)
-        return self._sample(q[rows], 1, gen)[0][:, 0]
-
-    def draw_scored(
-        self, queries: torch.Tensor, num_samples: int, ids: torch.Tensor, generator: torch.Generator | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`draw` plus :meth:`score` of given ids (the labels, for the corrected-positive
-        estimator); unchecked, no host sync. Query-dependent samplers override it to evaluate their
-        proposal once for both.
-
-        Args:
-            queries: (T, D) float32; num_samples: M >= 1; ids: (T, N) int64 global ids in [0, V).
-        Returns:
-            draws (T, M) int64 global ids, their log_q (T, M) float32, and log Q(ids | z_t) (T, N)
-            float32 (-inf for excluded classes).
-        """
-        draws, log_q = self.draw(queries, num_samples, generator=generator)
-        return draws, log_q, self.score(queries, ids)
-
-    def draw_shared_scored(
-        self,
-        queries: torch.Tensor,
-        num_samples: int,
-        ids: torch.Tensor,
-        row_weights: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`draw_shared` plus :meth:`score_shared` of given (N,) ids; unchecked, no host sync.
-
-        Returns:
-            pool (P,) int64 global ids, log_qbar (P,) float32, log qbar(ids) (N,) float32 (-inf for
-            excluded classes).
-        """
-        pool, log_q = self.draw_shared(queries, num_samples, row_weights, generator=generator)
-        return pool, log_q, self.score_shared(queries, ids, row_weights)
-
-    def score(self, queries: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """:meth:`log_prob` without argument checks and without a host sync.
-
-        Args:
-            queries: (T, D) float32; ids: (T, N) int64 global ids in [0, V).
-        Returns:
-            (T, N) float32 log Q(ids | z_t); -inf for excluded classes.
-        """
-        q = queries.detach().to(device=self.device, dtype=torch.float32)
-        return self._global_log_prob(q, ids.to(self.device))
-
-    def score_shared(
-        self, queries: torch.Tensor, ids: torch.Tensor, row_weights: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """:meth:`log_prob_shared` without argument checks and without a host sync.
-
-        Args:
-            queries: (T, D) float32, T >= 1; ids: (P,) int64 global ids; row_weights: as in :meth:`draw_shared`.
-        Returns:
-            (P,) float32 log qbar(ids); -inf for excluded classes.
-        """
-        q = queries.detach().to(device=self.device, dtype=torch.float32)
-        local, keep = self._local(ids.to(self.device))
-        out = self._log_prob_shared(q, local, self._log_row_weights(row_weights, q))
-        return out if keep is None else out.masked_fill(~keep, -math.inf)
+    def _check_embeddings(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """Validated (V, D) embeddings as float32 on the device, restricted to the (V', D) candidates."""
+        check_matrix("embeddings", embeddings, dim=self.dim)
+        if embeddings.shape[0] != self.num_classes:
+            raise ValueError(
+                f"refresh got {embeddings.shape[0]} classes but the sampler was built for {self.num_classes}; "
+                "build a new sampler for a new vocabulary."
+            )
+        return self._restrict(embeddings.detach().to(device=self.device, dtype=torch.float32))
 
     # ------------------------------------------------------------------ state
-    #: attribute names of the tensors that, with the RNG state, define the sampler.
-    _state_names: ClassVar[tuple[str, ...]] = ()
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors that define the proposal and the RNG position (for safetensors checkpoints)."""
         state = {name: getattr(self, name).contiguous() for name in self._state_names}
         state["generator_state"] = self.generator.get_state()
-        self._put_sizes(state)
-        return state
-
-    def _put_sizes(self, state: dict[str, torch.Tensor]) -> None:
         # V is stored explicitly: proposals without per-class tensors (uniform) could not refuse a
         # checkpoint of another vocabulary otherwise; V' likewise for another exact head.
         state["num_classes"] = torch.tensor(self.num_classes, dtype=torch.int64, device=self.device)
         state["num_candidates"] = torch.tensor(self.num_candidates, dtype=torch.int64, device=self.device)
+        return state
 
     def _check_num_classes(self, state: dict[str, torch.Tensor]) -> None:
         if "num_classes" in state and int(state["num_classes"]) != self.num_classes:
@@ -392,69 +402,21 @@ class Sampler:
                     f"{self.name} sampler state {name!r} has shape {tuple(state[name].shape)}, this sampler has "
                     f"{tuple(have.shape)}: the checkpoint comes from another vocabulary, dimension or codebook size."
                 )
+        self._load_tables(state)
         for name in self._state_names:
             setattr(self, name, state[name].to(device=self.device, dtype=getattr(self, name).dtype))
         if "generator_state" in state:
             self.generator.set_state(state["generator_state"].cpu())
         self._after_load()
 
+    def _load_tables(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`state_dict` saves beyond ``_state_names`` (checked first, before anything changes)."""
+
     def _after_load(self) -> None:
         """Recompute derived tables after :meth:`load_state_dict`."""
 
-    # ------------------------------------------------------------------ helpers
-    def checked_queries(self, queries: torch.Tensor) -> torch.Tensor:
-        """Validate (T, D) queries (any float dtype, finite); returns them detached, float32, on the sampler's
-        device: what the checked entry points, and diagnostics built on a sampler, score."""
-        check_matrix("queries", queries, dim=self.dim)
-        return queries.detach().to(device=self.device, dtype=torch.float32)
-
-    @staticmethod
-    def _check_row_weights(row_weights: torch.Tensor | None, num_queries: int) -> None:
-        if row_weights is None:
-            return
-        if not isinstance(row_weights, torch.Tensor) or tuple(row_weights.shape) != (num_queries,):
-            raise ValueError(
-                f"row_weights must be a ({num_queries},) tensor, one weight per query, got "
-                f"{tuple(getattr(row_weights, 'shape', ())) or type(row_weights).__name__}."
-            )
-        w = row_weights.double()
-        if not bool(torch.isfinite(w).all()) or bool((w < 0).any()) or not bool(w.sum() > 0):
-            raise ValueError("row_weights must be finite, non-negative and not all zero.")
-
-    def _log_row_weights(self, row_weights: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-        """(T,) float32 log w_t - log sum_t w_t, or None for equal weights."""
-        if row_weights is None:
-            return None
-        w = row_weights.detach().to(device=self.device, dtype=torch.float32)
-        # All zero (every label of the batch ignored): equal weights keep qbar finite, so that the zero loss
-        # of such a batch has a zero gradient, not a NaN one (inf - inf in its logsumexp). No host sync.
-        w = torch.where(w.sum() > 0, w, torch.ones_like(w))
-        return w.log() - w.sum().log()
-
-    def _check_embeddings(self, embeddings: torch.Tensor) -> torch.Tensor:
-        """Validated (V, D) embeddings as float32 on the device, restricted to the (V', D) candidates."""
-        check_matrix("embeddings", embeddings, dim=self.dim)
-        if embeddings.shape[0] != self.num_classes:
-            raise ValueError(
-                f"refresh got {embeddings.shape[0]} classes but the sampler was built for {self.num_classes}; "
-                "build a new sampler for a new vocabulary."
-            )
-        return self._restrict(embeddings.detach().to(device=self.device, dtype=torch.float32))
-
-    def _local(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Global ids -> (local ids, with excluded ones replaced by 0; keep mask or None)."""
-        if self._local_of is None:
-            return ids, None
-        local = self._local_of[ids]
-        return local.clamp_min(0), local >= 0
-
-    def _global_log_prob(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        local, keep = self._local(ids)
-        out = self._log_prob(q, local)
-        return out if keep is None else out.masked_fill(~keep, -math.inf)
-
-    # ------------------------------------------------------------------ defaults for subclasses
-    def _sample(self, q: torch.Tensor, m: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    # ------------------------------------------------------------------ hooks for subclasses (local ids)
+    def _sample(self, q: torch.Tensor, m: int, gen: CounterRNG) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, M) local ids and their log Q, float32."""
         raise NotImplementedError
 
@@ -462,95 +424,21 @@ class Sampler:
         """log Q of (T, N) local ids, (T, N) float32."""
         raise NotImplementedError
 
+    def _sample_scored(
+        self, q: torch.Tensor, m: int, gen: CounterRNG, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_sample` plus log Q of (T, N) local ``ids``; query-dependent samplers evaluate their proposal once."""
+        draws, log_q = self._sample(q, m, gen)
+        return draws, log_q, self._log_prob(q, ids)
+
     def _log_prob_shared(self, q: torch.Tensor, ids: torch.Tensor, log_w: torch.Tensor | None) -> torch.Tensor:
-        """log qbar of (P,) local ids; ``log_w`` (T,) normalized log weights or None (equal weights)."""
+        """log qbar of (N,) local ids; ``log_w`` (T,) normalized log weights or None (equal weights)."""
         if not self.query_dependent:
             return self._log_prob(q[:1], ids.unsqueeze(0))[0]
-        out = torch.full((ids.shape[0],), -math.inf, device=self.device)
-        # log qbar = logsumexp_t (log w_t + log Q(i|z_t)), accumulated over query chunks.
-        for rows in row_chunks(q.shape[0], ids.shape[0]):
-            lp = self._log_prob(q[rows], ids.expand(rows.stop - rows.start, -1))
-            if log_w is not None:
-                lp = lp + log_w[rows].unsqueeze(1)
-            out = torch.logaddexp(out, torch.logsumexp(lp, dim=0))
-        return out if log_w is not None else out - math.log(q.shape[0])
+        return mixture_log_prob(
+            lambda rows: self._log_prob(q[rows], ids.expand(rows.stop - rows.start, -1)), q.shape[0], ids.shape[0], log_w
+        )
 
     def __repr__(self) -> str:
         extra = "" if self.candidates is None else f", excluded={self.num_classes - self.num_candidates}"
         return f"{type(self).__name__}(name={self.name!r}, V={self.num_classes}, D={self.dim}{extra})"
-
-
-# ====================================================================== registry
-#: Sampler name -> class, in registration order (MIDX first); filled by the modules of this package.
-SAMPLERS: dict[str, type[Sampler]] = {}
-
-
-def register(cls: type[Sampler]) -> type[Sampler]:
-    """Class decorator: add a sampler class to :data:`SAMPLERS` under its ``name``."""
-    if not cls.name or cls.name in SAMPLERS:
-        raise ValueError(f"A sampler needs a new, non-empty name; got {cls.name!r}.")
-    SAMPLERS[cls.name] = cls
-    return cls
-
-
-def all_sampler_options() -> tuple[str, ...]:
-    """Every option some registered sampler reads, in first-seen order."""
-    seen: dict[str, None] = {}
-    for cls in SAMPLERS.values():
-        seen.update(dict.fromkeys(cls.options))
-    return tuple(seen)
-
-
-def check_sampler_options(name: str, options) -> None:
-    """Refuse options that no sampler reads (typos) and options of another sampler than ``name``.
-
-    The per-sampler option table is each class's ``options``; raises ValueError naming the sampler(s)
-    an option belongs to.
-    """
-    if name not in SAMPLERS:
-        raise ValueError(f"Unknown sampler {name!r}; known samplers: {', '.join(sorted(SAMPLERS))}.")
-    known = all_sampler_options()
-    unknown = sorted(str(k) for k in options if k not in known)
-    if unknown:
-        raise ValueError(f"Unknown sampler option(s) {unknown}; known options: {', '.join(known)}.")
-    own = SAMPLERS[name].options
-    foreign = sorted(k for k in options if k not in own)
-    if foreign:
-        owners = {k: sorted(n for n, c in SAMPLERS.items() if k in c.options) for k in foreign}
-        said = "; ".join(f"{k!r} belongs to {', '.join(v)}" for k, v in owners.items())
-        raise ValueError(
-            f"Sampler option(s) {foreign} do not apply to sampler {name!r} ({said}); "
-            f"{name!r} takes: {', '.join(own) or 'no options'}."
-        )
-
-
-def build_sampler(
-    name: str,
-    embeddings: torch.Tensor,
-    *,
-    codebook_size: int = 64,
-    class_counts: torch.Tensor | None = None,
-    exclude: torch.Tensor | None = None,
-    seed: int = 0,
-    **options,
-) -> Sampler:
-    """Build the proposal ``name`` over (V, D) class ``embeddings``.
-
-    Args:
-        name: one of :data:`SAMPLERS` ("midx-rq", "midx-pq", "midx-exact", "uniform", "unigram",
-            "log-uniform", "sphere", "rff", "lsh").
-        embeddings: (V, D) float tensor (e.g. the LM head weight); the sampler lives on its device.
-        codebook_size: K for the MIDX samplers (ignored by the others).
-        class_counts: (V,) training-token counts (unigram: required; log-uniform: optional ranking;
-            MIDX: for the unigram component of the defensive mixture and the frequency last stage).
-        exclude: optional (H,) int64 class ids the proposal must never draw (the exact head, which
-            the loss scores exactly): the sampler indexes only the other V - H classes, returns
-            global ids, and gives excluded ids log-probability -inf.
-        seed: seeds the sampler's own generator and its random structures.
-        **options: options of this sampler (each class's ``options``); an unknown option or one of
-            another sampler raises ValueError.
-    """
-    check_sampler_options(name, options)
-    return SAMPLERS[name](
-        embeddings, codebook_size=codebook_size, class_counts=class_counts, exclude=exclude, seed=seed, **options
-    )

@@ -6,8 +6,16 @@ import math
 
 import torch
 
-from .._checks import check_positive_int
-from .base import Sampler, row_chunks, inverse_cdf, register
+from .. import defaults
+from .._checks import check_positive_int, is_number
+from .base import Sampler, row_chunks
+
+
+def check_positive_number(options: dict, name: str) -> None:
+    """``options[name]``, when given, must be a number > 0."""
+    if name in options and not (is_number(options[name]) and options[name] > 0):
+        raise ValueError(f"{name} must be a number > 0, got {options[name]!r}.")
+from .registry import register
 
 
 class _ExhaustiveSampler(Sampler):
@@ -27,7 +35,7 @@ class _ExhaustiveSampler(Sampler):
         for rows in row_chunks(q.shape[0], self.num_candidates):
             lw = self._log_weights(q[rows])
             lp = lw - torch.logsumexp(lw, dim=1, keepdim=True)
-            drawn = inverse_cdf(lp.double().exp(), m, gen)
+            drawn = gen.categorical(lp.double().exp(), m)
             ids[rows], log_q[rows] = drawn, lp.gather(1, drawn)
         return ids, log_q
 
@@ -48,13 +56,16 @@ class SphereSampler(_ExhaustiveSampler):
     _state_names = ("embeddings",)
 
     def __init__(
-        self, embeddings: torch.Tensor, *, sphere_alpha: float = 100.0, seed: int = 0, exclude=None, **_common
+        self, embeddings: torch.Tensor, *, sphere_alpha: float = 100.0, seed: int = defaults.SEED, exclude=None, **_common
     ) -> None:
+        self.check_options(sphere_alpha=sphere_alpha)
         super().__init__(embeddings, seed=seed, exclude=exclude)
-        if not sphere_alpha > 0:
-            raise ValueError(f"sphere_alpha must be > 0, got {sphere_alpha}.")
         self.alpha = float(sphere_alpha)
         self.embeddings = self._restrict(embeddings.detach().float()).clone()
+
+    @classmethod
+    def check_options(cls, **options) -> None:
+        check_positive_number(options, "sphere_alpha")
 
     def refresh(self, embeddings: torch.Tensor) -> None:
         self.embeddings = self._check_embeddings(embeddings).clone()
@@ -84,20 +95,24 @@ class RFFSampler(_ExhaustiveSampler):
         *,
         rff_features: int = 32,
         rff_temperature: float = 4.0,
-        seed: int = 0,
+        seed: int = defaults.SEED,
         exclude=None,
         **_common,
     ) -> None:
+        self.check_options(rff_features=rff_features, rff_temperature=rff_temperature)
         super().__init__(embeddings, seed=seed, exclude=exclude)
-        check_positive_int("rff_features", rff_features)
-        if not rff_temperature > 0:
-            raise ValueError(f"rff_temperature must be > 0, got {rff_temperature}.")
         self.temperature = float(rff_temperature)
         gen = torch.Generator().manual_seed(seed + 7919)
         self.projection = (torch.randn(rff_features, self.dim, generator=gen) * math.sqrt(self.temperature)).to(
             self.device
         )
         self.class_features = self._features(self._restrict(embeddings.detach().float()))
+
+    @classmethod
+    def check_options(cls, **options) -> None:
+        if "rff_features" in options:
+            check_positive_int("rff_features", options["rff_features"])
+        check_positive_number(options, "rff_temperature")
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
         proj = torch.nn.functional.normalize(x, dim=1) @ self.projection.t()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_positive_int
-from .base import Sampler, row_chunks, inverse_cdf, register
+from .. import defaults
+from .._checks import check_positive_int, is_number
+from .base import Sampler, row_chunks
+from .registry import register
 
 
 @register
@@ -29,23 +31,29 @@ class LSHSampler(Sampler):
         lsh_tables: int = 16,
         lsh_bits: int = 4,
         lsh_uniform_mix: float = 0.05,
-        seed: int = 0,
+        seed: int = defaults.SEED,
         exclude=None,
         **_common,
     ) -> None:
+        self.check_options(lsh_tables=lsh_tables, lsh_bits=lsh_bits, lsh_uniform_mix=lsh_uniform_mix)
         super().__init__(embeddings, seed=seed, exclude=exclude)
-        check_positive_int("lsh_tables", lsh_tables)
-        check_positive_int("lsh_bits", lsh_bits)
-        if lsh_bits > 24:
-            raise ValueError(f"lsh_bits={lsh_bits} gives 2**{lsh_bits} buckets per table; use at most 24.")
-        if not 0.0 <= lsh_uniform_mix <= 1.0:
-            raise ValueError(f"lsh_uniform_mix must be in [0, 1], got {lsh_uniform_mix}.")
         self.num_tables, self.num_bits, self.mix = lsh_tables, lsh_bits, float(lsh_uniform_mix)
         gen = torch.Generator().manual_seed(seed + 104729)
         self.hyperplanes = torch.randn(lsh_tables * lsh_bits, self.dim, generator=gen).to(self.device)
         self._weights_pow2 = 2 ** torch.arange(lsh_bits, device=self.device)
         self.class_hashes = self._hash(self._restrict(embeddings.detach().float()))
         self._after_load()
+
+    @classmethod
+    def check_options(cls, **options) -> None:
+        if "lsh_tables" in options:
+            check_positive_int("lsh_tables", options["lsh_tables"])
+        if "lsh_bits" in options and check_positive_int("lsh_bits", options["lsh_bits"]) > 24:
+            bits = options["lsh_bits"]
+            raise ValueError(f"lsh_bits={bits} gives 2**{bits} buckets per table; use at most 24.")
+        mix = options.get("lsh_uniform_mix", 0.0)
+        if not (is_number(mix) and 0.0 <= mix <= 1.0):
+            raise ValueError(f"lsh_uniform_mix must be a number in [0, 1], got {mix!r}.")
 
     def _hash(self, x: torch.Tensor) -> torch.Tensor:
         """(N, D) -> (N, L) int64 bucket ids in [0, 2^b)."""
@@ -76,7 +84,7 @@ class LSHSampler(Sampler):
         nonempty = sizes > 0
         has_any = nonempty.any(dim=1, keepdim=True)
         table_w = torch.where(has_any, nonempty.float(), torch.ones_like(nonempty, dtype=torch.float32))
-        tables = inverse_cdf(table_w, m, gen)  # (T, M)
+        tables = gen.categorical(table_w, m)  # (T, M)
         size = sizes.gather(1, tables)
         start = self._offsets[tables, h.gather(1, tables)]
         u = gen.rand(t, m, dtype=torch.float64)

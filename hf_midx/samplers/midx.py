@@ -1,7 +1,11 @@
 """The MIDX proposals over an inverted multi-index: midx-rq / midx-pq (fast) and midx-exact (Theorem 1).
 
-The sampler name names the quantizer (midx-rq: residual, midx-pq: product); midx-exact takes it as its
-``quantizer`` option. Two options make the fast proposal cover the softmax better (issue 9):
+:class:`MidxSampler` is what both kinds share: the index over the candidate classes, its refresh, learned
+codebooks and checkpoint state. Its two children are siblings: :class:`MidxQuantizedSampler` (midx-rq,
+midx-pq: the softmax over the quantized embeddings, O(K D + K^2 + M log V) per query) and
+:class:`MidxExactSampler` (midx-exact: exactly the softmax, O(V D) per query, a yardstick). The sampler
+name names the quantizer (midx-rq: residual, midx-pq: product); midx-exact takes it as its ``quantizer``
+option. Two options make the fast proposal cover the softmax better (issue 9):
 
 * ``last_stage="frequency"``: inside a bucket, draw a class proportionally to its smoothed training
   count w_i = (count_i + unigram_smoothing) ** unigram_power instead of uniformly; a bucket's mass uses
@@ -23,16 +27,98 @@ import warnings
 
 import torch
 
+from .. import defaults
+from .._checks import check_positive_int, is_number
+from ..defaults import KMEANS_BACKENDS, LAST_STAGES, MIX_STATICS
 from ..index import MidxIndex
-from ..rng import as_counter_rng
-from .base import Sampler, row_chunks, draw_from_cumsum, inverse_cdf, check_counts, register, unigram_log_table
+from ..quantizers import QUANTIZERS
+from .base import Sampler, check_counts, mixture_log_prob, row_chunks
+from .registry import register
+from .static import check_unigram_options, unigram_log_table
 
-LAST_STAGES = ("uniform", "frequency")
-MIX_STATICS = ("unigram", "uniform")
+
+def check_choice(options: dict, name: str, choices: tuple) -> None:
+    """``options[name]``, when given, must be one of ``choices``."""
+    if name in options and options[name] not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {options[name]!r}.")
 
 
 class MidxSampler(Sampler):
-    """The faster MIDX proposal (the paper's Eq. midx_uni) over an inverted multi-index.
+    """A proposal over an inverted multi-index of the candidate classes (``index``): what midx-rq, midx-pq and
+    midx-exact share. Subclasses implement the draws and ``_after_index_change``."""
+
+    options = ("kmeans_iters", "kmeans_backend")
+
+    def __init__(
+        self,
+        embeddings: torch.Tensor,
+        *,
+        quantizer: str,
+        codebook_size: int = defaults.CODEBOOK_SIZE,
+        kmeans_iters: int = defaults.KMEANS_ITERS,
+        kmeans_backend: str = defaults.KMEANS_BACKEND,
+        seed: int = defaults.SEED,
+        exclude=None,
+    ) -> None:
+        MidxSampler.check_options(kmeans_iters=kmeans_iters, kmeans_backend=kmeans_backend)
+        super().__init__(embeddings, seed=seed, exclude=exclude)
+        self.index = MidxIndex.build(
+            self._restrict(embeddings.detach()),
+            codebook_size,
+            quantizer=quantizer,
+            kmeans_iters=kmeans_iters,
+            kmeans_backend=kmeans_backend,
+            seed=seed,
+            check=False,  # Sampler.__init__ checked the embeddings
+        )
+
+    @classmethod
+    def check_options(cls, **options) -> None:
+        if "kmeans_iters" in options:
+            check_positive_int("kmeans_iters", options["kmeans_iters"], minimum=0)
+        check_choice(options, "kmeans_backend", KMEANS_BACKENDS)
+
+    @property
+    def quantizer(self) -> str:
+        return self.index.quantizer
+
+    def refresh(self, embeddings: torch.Tensor) -> None:
+        """Warm-started k-means on the new (V, D) embeddings; O(V K D iters)."""
+        emb = self._check_embeddings(embeddings)
+        self.index.rebuild(emb, check=False)  # checked once, just here
+        self._after_index_change(emb)
+
+    def set_codebooks(self, codebooks: tuple[torch.Tensor, torch.Tensor], embeddings: torch.Tensor) -> None:
+        """Adopt (e.g. learned) codebooks for the (V, D) embeddings; recomputes codes and bucket tables in O(V K D)."""
+        emb = self._check_embeddings(embeddings)
+        self.index.set_codebooks(codebooks, emb)
+        self._after_index_change(emb)
+
+    def _after_index_change(self, embeddings: torch.Tensor | None) -> None:
+        """Recompute what depends on the index; ``embeddings`` (V', D) float32, or None after a checkpoint load."""
+        raise NotImplementedError
+
+    def _codeword_scores(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """s1 = z1 . c1 and s2 = z2 . c2, (T, K) float32 each."""
+        d1, d2 = self.index.dim_slices(q.shape[1])
+        c1, c2 = self.index.codebooks
+        return q[:, d1] @ c1.t(), q[:, d2] @ c2.t()
+
+    # -- state: the index's tensors under "index.", besides the base's
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = super().state_dict()
+        state.update({f"index.{k}": v.contiguous() for k, v in self.index.state_dict().items()})
+        return state
+
+    def _load_tables(self, state: dict[str, torch.Tensor]) -> None:
+        self.index.load_state_dict({k[len("index.") :]: v for k, v in state.items() if k.startswith("index.")})
+
+    def _after_load(self) -> None:
+        self._after_index_change(None)
+
+
+class MidxQuantizedSampler(MidxSampler):
+    """The faster MIDX proposal (the paper's Eq. midx_uni): the softmax over the quantized embeddings.
 
     Q(i | z) = exp(z1.c1[k1(i)] + z2.c2[k2(i)]) / sum_{k,k'} |Omega(k,k')| exp(z1.c1[k] + z2.c2[k']),
     i.e. softmax over the quantized embeddings q_i - residual_i. A draw takes a bucket (k1, k2) with
@@ -41,15 +127,10 @@ class MidxSampler(Sampler):
     then a class from the bucket (uniformly, or by frequency with ``last_stage="frequency"``); with
     ``mix_weight`` > 0 the defensive mixture of the module docstring. Per query:
     O(K D + K^2 + M log V); nothing of size V.
-
-    ``mix_weight`` defaults to 0 here because a sampler built without ``class_counts`` has no unigram
-    table to mix; :class:`hf_midx.MidxConfig` (0.5) is where the trained defaults live.
     """
 
-    name = "midx"
     options = (
-        "kmeans_iters",
-        "kmeans_backend",
+        *MidxSampler.options,
         "last_stage",
         "mix_weight",
         "mix_static",
@@ -62,28 +143,22 @@ class MidxSampler(Sampler):
         self,
         embeddings: torch.Tensor,
         *,
-        codebook_size: int = 64,
-        kmeans_iters: int = 20,
-        kmeans_backend: str = "torch",
-        last_stage: str = "uniform",
-        mix_weight: float = 0.0,
-        mix_static: str = "unigram",
-        unigram_smoothing: float = 1.0,
-        unigram_power: float = 1.0,
+        last_stage: str = defaults.LAST_STAGE,
+        mix_weight: float = defaults.MIX_WEIGHT,
+        mix_static: str = defaults.MIX_STATIC,
+        unigram_smoothing: float = defaults.UNIGRAM_SMOOTHING,
+        unigram_power: float = defaults.UNIGRAM_POWER,
         class_counts=None,
-        seed: int = 0,
-        exclude=None,
-        quantizer: str | None = None,
+        **index_options,
     ) -> None:
-        super().__init__(embeddings, seed=seed, exclude=exclude)
-        if last_stage not in LAST_STAGES:
-            raise ValueError(f"last_stage must be one of {LAST_STAGES}, got {last_stage!r}.")
-        if mix_static not in MIX_STATICS:
-            raise ValueError(f"mix_static must be one of {MIX_STATICS}, got {mix_static!r}.")
-        if isinstance(mix_weight, bool) or not isinstance(mix_weight, (int, float)) or not 0.0 <= mix_weight < 1.0:
-            raise ValueError(f"mix_weight must be a number in [0, 1), got {mix_weight!r}.")
-        if last_stage == "frequency" and not unigram_smoothing > 0:
-            raise ValueError("last_stage='frequency' needs unigram_smoothing > 0 so that every class stays drawable.")
+        MidxQuantizedSampler.check_options(
+            last_stage=last_stage,
+            mix_weight=mix_weight,
+            mix_static=mix_static,
+            unigram_smoothing=unigram_smoothing,
+            unigram_power=unigram_power,
+        )
+        super().__init__(embeddings, quantizer=self.quantizer_name, **index_options)
         needs_counts = last_stage == "frequency" or (mix_weight > 0 and mix_static == "unigram")
         counts = None
         if class_counts is not None:
@@ -92,9 +167,10 @@ class MidxSampler(Sampler):
             wanted = ["last_stage='frequency'"] if last_stage == "frequency" else []
             wanted += ["mix_static='unigram'"] if mix_weight > 0 and mix_static == "unigram" else []
             warnings.warn(
-                f"{self.name}: {' and '.join(wanted)} {'needs' if len(wanted) == 1 else 'need'} class_counts (training-token frequencies); without them "
-                "the sampler draws uniformly inside buckets and mixes in no static component. Pass "
-                "class_counts= (e.g. hf_midx.wrap(model, config, class_counts=hf_midx.token_counts(ids, V))) for the measured defaults.",
+                f"{self.name}: {' and '.join(wanted)} {'needs' if len(wanted) == 1 else 'need'} class_counts "
+                "(training-token frequencies); without them the sampler draws uniformly inside buckets and mixes "
+                "in no static component. Pass class_counts= (e.g. hf_midx.wrap(model, config, "
+                "class_counts=hf_midx.token_counts(ids, V))) for the measured defaults.",
                 UserWarning,
                 stacklevel=3,
             )
@@ -102,15 +178,6 @@ class MidxSampler(Sampler):
             if mix_static == "unigram":
                 mix_weight = 0.0
         self.last_stage, self.mix_static, self.mix_weight = last_stage, mix_static, float(mix_weight)
-        self.index = MidxIndex.build(
-            self._restrict(embeddings.detach()),
-            codebook_size,
-            quantizer=quantizer or self.quantizer_name,
-            kmeans_iters=kmeans_iters,
-            kmeans_backend=kmeans_backend,
-            seed=seed,
-            check=False,  # Sampler.__init__ checked the embeddings
-        )
         # Per-class log weights of the last stage (None: uniform) and the static component (V',) float32.
         self._log_w = None
         if last_stage == "frequency":
@@ -122,40 +189,35 @@ class MidxSampler(Sampler):
             else:
                 self._log_static = torch.full((self.num_candidates,), -math.log(self.num_candidates), device=self.device)
             self._static_cum = self._log_static.double().exp().cumsum(0)
-        self._after_index_change()
+        self._after_index_change(None)
 
-    @property
-    def quantizer(self) -> str:
-        return self.index.quantizer
+    @classmethod
+    def check_options(cls, **options) -> None:
+        super().check_options(**options)
+        check_choice(options, "last_stage", LAST_STAGES)
+        check_choice(options, "mix_static", MIX_STATICS)
+        mix_weight = options.get("mix_weight", 0.0)
+        if not (is_number(mix_weight) and 0.0 <= mix_weight < 1.0):
+            raise ValueError(f"mix_weight must be a number in [0, 1), got {mix_weight!r}.")
+        check_unigram_options(options)
+        frequency = options.get("last_stage") == "frequency"
+        if frequency and not options.get("unigram_smoothing", defaults.UNIGRAM_SMOOTHING) > 0:
+            raise ValueError("last_stage='frequency' needs unigram_smoothing > 0 so that every class stays drawable.")
 
-    def refresh(self, embeddings: torch.Tensor) -> None:
-        """Warm-started k-means on the new embeddings; O(V K D iters)."""
-        self.index.rebuild(self._check_embeddings(embeddings), check=False)  # checked once, just here
-        self._after_index_change()
-
-    def set_codebooks(self, codebooks: tuple[torch.Tensor, torch.Tensor], embeddings: torch.Tensor) -> None:
-        """Adopt (e.g. learned) codebooks; recomputes codes and bucket tables in O(V K D)."""
-        self.index.set_codebooks(codebooks, self._check_embeddings(embeddings))
-        self._after_index_change()
-
-    def _after_index_change(self) -> None:
+    def _after_index_change(self, embeddings: torch.Tensor | None) -> None:
         """Bucket masses (K, K) float64 and, for the frequency last stage, the CSR cumulative weights."""
         idx = self.index
         if self._log_w is None:
             self._bucket_mass = idx.bucket_counts.double()
             self._cum_w = None
-            self._after_mass_change()
-            return
-        w = self._log_w.double().exp()
-        k = idx.codebook_size
-        bucket = idx.codes[:, 0] * k + idx.codes[:, 1]
-        self._bucket_mass = torch.zeros(k * k, dtype=torch.float64, device=self.device).index_add_(0, bucket, w)
-        self._bucket_mass = self._bucket_mass.view(k, k)
-        # cum_w[j] = total weight of order[:j]: a bucket's members order[lo:hi] span [cum_w[lo], cum_w[hi]).
-        self._cum_w = torch.cat([w.new_zeros(1), w[idx.order].cumsum(0)])
-        self._after_mass_change()
-
-    def _after_mass_change(self) -> None:
+        else:
+            w = self._log_w.double().exp()
+            k = idx.codebook_size
+            bucket = idx.codes[:, 0] * k + idx.codes[:, 1]
+            mass = torch.zeros(k * k, dtype=torch.float64, device=self.device).index_add_(0, bucket, w)
+            self._bucket_mass = mass.view(k, k)
+            # cum_w[j] = total weight of order[:j]: a bucket's members order[lo:hi] span [cum_w[lo], cum_w[hi]).
+            self._cum_w = torch.cat([w.new_zeros(1), w[idx.order].cumsum(0)])
         # Per-step work reads these; they change only with the index.
         self._unused_k2 = self._bucket_mass.sum(0) == 0  # (K,) second-level codewords without classes
         self._bucket_mass_f32 = self._bucket_mass.float()
@@ -176,15 +238,11 @@ class MidxSampler(Sampler):
         row's largest s2 over codewords that hold classes: psi > 0 for some k1 in every row, and
         float64 loses only buckets more than ~700 nats below the best.
         """
-        d1, d2 = self.index.dim_slices(q.shape[1])
-        c1, c2 = self.index.codebooks
-        s1 = q[:, d1] @ c1.t()
-        s2 = q[:, d2] @ c2.t()
-        mass = self._bucket_mass
+        s1, s2 = self._codeword_scores(q)
         s2_used = s2.masked_fill(self._unused_k2, -math.inf)  # a codeword without classes must not overflow e2
         m2 = s2_used.amax(1, keepdim=True)
         e2 = (s2_used - m2).double().exp()
-        psi = e2 @ mass.t()
+        psi = e2 @ self._bucket_mass.t()
         logits1 = s1.double() + psi.log() + m2.double()  # -inf for codewords k1 with no class
         log_z = torch.logsumexp(logits1, dim=1, keepdim=True)
         return s1, s2, log_z.squeeze(1).float(), e2, (logits1 - log_z).exp(), psi
@@ -199,120 +257,67 @@ class MidxSampler(Sampler):
         never drawn.
         """
         k = e2.shape[1]
-        mass = self._bucket_mass
         out = torch.empty(e2.shape[0], m, dtype=torch.long, device=e2.device)
         if 2 * m <= k:
-            k1 = inverse_cdf(p1, m, gen)
+            k1 = gen.categorical(p1, m)
             for rows in row_chunks(e2.shape[0], m * k):
-                w2 = mass[k1[rows]] * e2[rows].unsqueeze(1)  # (c, M, K)
-                out[rows] = k1[rows] * k + inverse_cdf(w2, 1, gen).squeeze(-1)
+                w2 = self._bucket_mass[k1[rows]] * e2[rows].unsqueeze(1)  # (c, M, K)
+                out[rows] = k1[rows] * k + gen.categorical(w2, 1).squeeze(-1)
             return out
         r = torch.where(psi > 0, p1 / psi, torch.zeros_like(psi)).float()
         for rows in row_chunks(e2.shape[0], k * k):
             # (c, K, K) bucket probabilities, float32 (a bucket below e^-87 of the total is never drawn).
             joint = r[rows].unsqueeze(2) * self._bucket_mass_f32.unsqueeze(0) * e2[rows].float().unsqueeze(1)
-            out[rows] = inverse_cdf(joint.view(-1, k * k), m, gen)
+            out[rows] = gen.categorical(joint.view(-1, k * k), m)
         return out
 
-    def _draw_in_bucket(self, buckets: torch.Tensor, gen) -> torch.Tensor:
-        """A class of each drawn bucket: uniformly, or proportionally to its frequency weight."""
-        lo = self.index.offsets[buckets]
-        hi = self.index.offsets[buckets + 1]
-        u = gen.rand(*buckets.shape, dtype=torch.float64)
-        if self._cum_w is None:
-            pos = lo + torch.minimum((u * (hi - lo)).long(), hi - lo - 1)
-        else:
-            base, top = self._cum_w[lo], self._cum_w[hi]
-            pos = torch.searchsorted(self._cum_w, base + u * (top - base), right=True) - 1
-            pos = torch.maximum(torch.minimum(pos, hi - 1), lo)
-        return self.index.order[pos]
-
-    def _midx_log_q(self, s1, s2, log_z, ids) -> torch.Tensor:
+    def _log_q(self, s1, s2, log_z, ids) -> torch.Tensor:
+        """log Q of (T, N) local ids from the codeword scores: the MIDX component, mixed with the static one."""
         codes = self.index.codes[ids]  # (..., 2)
         out = s1.gather(1, codes[..., 0]) + s2.gather(1, codes[..., 1]) - log_z.unsqueeze(1)
-        return out if self._log_w is None else out + self._log_w[ids]
+        return self._mixed(out if self._log_w is None else out + self._log_w[ids], ids)
 
-    def _mixed_log_q(self, log_q_midx: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _mixed(self, log_q_midx: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self._log_static is None:
             return log_q_midx
         a = self.mix_weight
         return torch.logaddexp(log_q_midx + math.log1p(-a), self._log_static[ids] + math.log(a))
 
     def _sample(self, q, m, gen):
-        return self._sample_from(self._proposal(q), q.shape[0], m, gen)
+        draws, log_q, _ = self._sample_scored(q, m, gen, None)
+        return draws, log_q
 
-    def draw_scored(self, queries, num_samples, ids, generator=None):
-        # One proposal for the draws and the scored ids: Sampler.draw_scored would compute it twice.
-        q = queries.detach().to(device=self.device, dtype=torch.float32)
-        prop = self._proposal(q)
-        draws, log_q = self._sample_from(prop, q.shape[0], num_samples, as_counter_rng(generator, self.generator))
-        local, keep = self._local(ids.to(self.device))
-        log_q_ids = self._mixed_log_q(self._midx_log_q(*prop[:3], local), local)
-        if keep is not None:
-            log_q_ids = log_q_ids.masked_fill(~keep, -math.inf)
-        return self._to_global(draws), log_q, log_q_ids
-
-    def draw_shared_scored(self, queries, num_samples, ids, row_weights=None, generator=None):
-        # The pool and the scored ids share one pass over the queries' codeword scores.
-        q = queries.detach().to(device=self.device, dtype=torch.float32)
-        log_w = self._log_row_weights(row_weights, q)
-        pool = self._draw_pool(q, num_samples, row_weights, as_counter_rng(generator, self.generator))
-        local, keep = self._local(ids.to(self.device))
-        both = self._log_prob_shared(q, torch.cat([pool, local]), log_w)
-        log_q, log_q_ids = both[:num_samples], both[num_samples:]
-        if keep is not None:
-            log_q_ids = log_q_ids.masked_fill(~keep, -math.inf)
-        return self._to_global(pool), log_q, log_q_ids
-
-    def _sample_from(self, prop, t: int, m: int, gen):
-        s1, s2, log_z, e2, p1, psi = prop
-        ids = self._draw_in_bucket(self._draw_buckets(e2, p1, psi, m, gen), gen)
+    def _sample_scored(self, q, m, gen, ids):
+        # One proposal for the draws and the scored ids.
+        s1, s2, log_z, e2, p1, psi = self._proposal(q)
+        buckets = self._draw_buckets(e2, p1, psi, m, gen)
+        draws = self.index.draw_members(buckets, gen.rand(*buckets.shape, dtype=torch.float64), self._cum_w)
         if self._log_static is not None:
             # Each draw comes from the static component with probability a (both drawn, one kept: no sync).
-            static = draw_from_cumsum(self._static_cum, m, gen, lead=(t,))
-            pick = gen.rand(*ids.shape) < self.mix_weight
-            ids = torch.where(pick, static, ids)
-        return ids, self._mixed_log_q(self._midx_log_q(s1, s2, log_z, ids), ids)
+            static = gen.categorical(self._static_cum, m, cumulative=True, rows=q.shape[0])
+            draws = torch.where(gen.rand(*draws.shape) < self.mix_weight, static, draws)
+        log_q_ids = None if ids is None else self._log_q(s1, s2, log_z, ids)
+        return draws, self._log_q(s1, s2, log_z, draws), log_q_ids
 
     def _log_prob(self, q, ids):
-        s1, s2, log_z = self.codeword_scores(q)
-        return self._mixed_log_q(self._midx_log_q(s1, s2, log_z, ids), ids)
+        return self._log_q(*self.codeword_scores(q), ids)
 
     def _log_prob_shared(self, q, ids, log_w):
-        # qbar(i) = sum_t w_t Q(i | z_t): T x P gathers from the T x K scores, chunked over queries.
+        # qbar(i) = sum_t w_t Q(i | z_t): T x N gathers from the T x K scores, chunked over queries.
         s1, s2, log_z = self.codeword_scores(q)
         codes = self.index.codes[ids]
-        extra = None if self._log_w is None else self._log_w[ids]
-        out = torch.full((ids.shape[0],), -math.inf, device=self.device)
-        for rows in row_chunks(s1.shape[0], ids.shape[0]):
-            lp = s1[rows][:, codes[:, 0]] + s2[rows][:, codes[:, 1]] - log_z[rows].unsqueeze(1)
-            if log_w is not None:
-                lp = lp + log_w[rows].unsqueeze(1)
-            out = torch.logaddexp(out, torch.logsumexp(lp, dim=0))
-        if log_w is None:
-            out = out - math.log(s1.shape[0])
-        if extra is not None:
-            out = out + extra
-        # The static component is the same for every query, so it mixes outside the sum over t.
-        return self._mixed_log_q(out, ids)
-
-    # -- state
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {f"index.{k}": v.contiguous() for k, v in self.index.state_dict().items()}
-        state["generator_state"] = self.generator.get_state()
-        self._put_sizes(state)
-        return state
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self._check_num_classes(state)
-        self.index.load_state_dict({k[len("index.") :]: v for k, v in state.items() if k.startswith("index.")})
-        if "generator_state" in state:
-            self.generator.set_state(state["generator_state"].cpu())
-        self._after_index_change()
+        out = mixture_log_prob(
+            lambda rows: s1[rows][:, codes[:, 0]] + s2[rows][:, codes[:, 1]] - log_z[rows].unsqueeze(1),
+            q.shape[0],
+            ids.shape[0],
+            log_w,
+        )
+        # The last-stage weight and the static component are the same for every query: outside the sum over t.
+        return self._mixed(out if self._log_w is None else out + self._log_w[ids], ids)
 
 
 @register
-class MidxRQSampler(MidxSampler):
+class MidxRQSampler(MidxQuantizedSampler):
     """MIDX with residual quantization (both codebooks in D dims)."""
 
     name = "midx-rq"
@@ -320,7 +325,7 @@ class MidxRQSampler(MidxSampler):
 
 
 @register
-class MidxPQSampler(MidxSampler):
+class MidxPQSampler(MidxQuantizedSampler):
     """MIDX with product quantization (codebook 1 on the first D/2 dims, codebook 2 on the rest)."""
 
     name = "midx-pq"
@@ -336,26 +341,22 @@ class MidxExactSampler(MidxSampler):
     """
 
     name = "midx-exact"
-    options = ("quantizer", "kmeans_iters", "kmeans_backend")
+    options = ("quantizer", *MidxSampler.options)
     _state_names = ("embeddings",)
 
-    def __init__(self, embeddings: torch.Tensor, *, quantizer: str = "rq", **options) -> None:
-        from ..quantizers import QUANTIZERS
+    def __init__(self, embeddings: torch.Tensor, *, quantizer: str = "rq", class_counts=None, **index_options) -> None:
+        MidxExactSampler.check_options(quantizer=quantizer)  # the index options: MidxSampler's
+        super().__init__(embeddings, quantizer=quantizer, **index_options)
+        self._after_index_change(self._restrict(embeddings.detach().float()))
 
-        if quantizer not in QUANTIZERS:
-            raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {quantizer!r}.")
-        super().__init__(embeddings, quantizer=quantizer, **options)
-        self.embeddings = self._restrict(embeddings.detach().float()).clone()
+    @classmethod
+    def check_options(cls, **options) -> None:
+        super().check_options(**options)
+        check_choice(options, "quantizer", QUANTIZERS)
 
-    def refresh(self, embeddings: torch.Tensor) -> None:
-        emb = self._check_embeddings(embeddings)
-        self.index.rebuild(emb, check=False)
-        self._after_index_change()
-        self.embeddings = emb.clone()
-
-    def set_codebooks(self, codebooks, embeddings) -> None:
-        super().set_codebooks(codebooks, embeddings)
-        self.embeddings = self._check_embeddings(embeddings).clone()
+    def _after_index_change(self, embeddings: torch.Tensor | None) -> None:
+        if embeddings is not None:  # after a load, the embeddings come from the checkpoint
+            self.embeddings = embeddings.clone()
 
     def _log_prob(self, q, ids):
         out = torch.empty(ids.shape, device=self.device)
@@ -363,15 +364,6 @@ class MidxExactSampler(MidxSampler):
             logits = q[rows] @ self.embeddings.t()
             out[rows] = logits.gather(1, ids[rows]) - torch.logsumexp(logits, dim=1, keepdim=True)
         return out
-
-    def _log_prob_shared(self, q, ids, log_w):
-        return Sampler._log_prob_shared(self, q, ids, log_w)
-
-    def draw_scored(self, queries, num_samples, ids, generator=None):
-        return Sampler.draw_scored(self, queries, num_samples, ids, generator)
-
-    def draw_shared_scored(self, queries, num_samples, ids, row_weights=None, generator=None):
-        return Sampler.draw_shared_scored(self, queries, num_samples, ids, row_weights, generator)
 
     def _sample(self, q, m, gen):
         idx = self.index
@@ -381,7 +373,7 @@ class MidxExactSampler(MidxSampler):
         log_q = torch.empty(q.shape[0], m, device=self.device)
         for rows in row_chunks(q.shape[0], 2 * self.num_candidates):
             zq = q[rows]
-            s1, s2, _ = self.codeword_scores(zq)
+            s1, s2 = self._codeword_scores(zq)
             logits = zq @ self.embeddings.t()  # (c, V')
             codes = idx.codes.unsqueeze(0).expand(zq.shape[0], -1, -1)
             residual = logits - s1.gather(1, codes[..., 0]) - s2.gather(1, codes[..., 1])  # z . q~_i
@@ -395,29 +387,12 @@ class MidxExactSampler(MidxSampler):
             log_omega = (b_max + b_sum.log().float()).view(-1, k2)  # -inf for empty buckets
             joint = (s1.unsqueeze(2) + s2.unsqueeze(1)).view(-1, k2) + log_omega
             log_p12 = torch.log_softmax(joint, dim=1)
-            buckets = inverse_cdf(log_p12.double().exp(), m, gen)
+            buckets = gen.categorical(log_p12.double().exp(), m)
             # P3: inverse CDF inside the bucket's CSR slice of the per-query cumulative weights.
             cum = torch.cumsum(w.gather(1, idx.order.expand(zq.shape[0], -1)), dim=1)
-            cum = torch.cat([torch.zeros(zq.shape[0], 1, dtype=cum.dtype, device=cum.device), cum], dim=1)
-            lo, hi = idx.offsets[buckets], idx.offsets[buckets + 1]
-            base, top = cum.gather(1, lo), cum.gather(1, hi)
-            u = gen.rand(*buckets.shape, dtype=torch.float64)
-            pos = torch.searchsorted(cum, base + u * (top - base), right=True) - 1
-            pos = torch.maximum(torch.minimum(pos, hi - 1), lo)
-            drawn = idx.order[pos]
+            cum = torch.cat([cum.new_zeros(zq.shape[0], 1), cum], dim=1)
+            drawn = idx.draw_members(buckets, gen.rand(*buckets.shape, dtype=torch.float64), cum)
             ids[rows] = drawn
             log_p3 = residual.gather(1, drawn) - log_omega.gather(1, buckets)
             log_q[rows] = log_p12.gather(1, buckets) + log_p3
         return ids, log_q
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        state = super().state_dict()
-        state["embeddings"] = self.embeddings.contiguous()
-        return state
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self._check_num_classes(state)
-        if "embeddings" not in state or tuple(state["embeddings"].shape) != tuple(self.embeddings.shape):
-            raise ValueError("midx-exact sampler state lacks embeddings of this sampler's (V, D) shape.")
-        super().load_state_dict(state)
-        self.embeddings = state["embeddings"].to(self.device, torch.float32)

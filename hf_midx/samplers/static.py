@@ -6,7 +6,25 @@ import math
 
 import torch
 
-from .base import Sampler, draw_from_cumsum, check_counts, register, unigram_log_table
+from .. import defaults
+from .._checks import is_number
+from .base import Sampler, check_counts
+from .registry import register
+
+
+def check_unigram_options(options: dict) -> None:
+    """The options of a unigram table, ``unigram_smoothing`` and ``unigram_power``, when given: numbers >= 0."""
+    for name in ("unigram_smoothing", "unigram_power"):
+        if name in options and not (is_number(options[name]) and options[name] >= 0):
+            raise ValueError(f"{name} must be a number >= 0, got {options[name]!r}.")
+
+
+def unigram_log_table(counts: torch.Tensor, smoothing: float, power: float) -> torch.Tensor:
+    """(V,) float32 log of (count + smoothing) ** power, normalized; ValueError if all weights are 0."""
+    weights = (counts + smoothing) ** power
+    if not bool((weights > 0).any()):
+        raise ValueError("class_counts are all zero; pass real counts or unigram_smoothing > 0.")
+    return (weights / weights.sum()).log().float()
 
 
 @register
@@ -16,7 +34,7 @@ class UniformSampler(Sampler):
     name = "uniform"
     query_dependent = False
 
-    def __init__(self, embeddings: torch.Tensor, *, seed: int = 0, exclude=None, **_common) -> None:
+    def __init__(self, embeddings: torch.Tensor, *, seed: int = defaults.SEED, exclude=None, **_common) -> None:
         super().__init__(embeddings, seed=seed, exclude=exclude)
 
     def refresh(self, embeddings: torch.Tensor) -> None:
@@ -45,7 +63,7 @@ class _TableSampler(Sampler):
         self._cum = self.log_table.double().exp().cumsum(0)
 
     def _sample(self, q, m, gen):
-        ids = draw_from_cumsum(self._cum, m, gen, lead=(q.shape[0],))
+        ids = gen.categorical(self._cum, m, cumulative=True, rows=q.shape[0])
         return ids, self.log_table[ids]
 
     def _log_prob(self, q, ids):
@@ -71,15 +89,20 @@ class UnigramSampler(_TableSampler):
         embeddings: torch.Tensor,
         *,
         class_counts=None,
-        unigram_smoothing: float = 1.0,
-        unigram_power: float = 1.0,
-        seed: int = 0,
+        unigram_smoothing: float = defaults.UNIGRAM_SMOOTHING,
+        unigram_power: float = defaults.UNIGRAM_POWER,
+        seed: int = defaults.SEED,
         exclude=None,
         **_common,
     ) -> None:
+        self.check_options(unigram_smoothing=unigram_smoothing, unigram_power=unigram_power)
         super().__init__(embeddings, seed=seed, exclude=exclude)
         counts = self._restrict(check_counts(class_counts, self.num_classes, self.device))
         self._set_table(unigram_log_table(counts, unigram_smoothing, unigram_power))
+
+    @classmethod
+    def check_options(cls, **options) -> None:
+        check_unigram_options(options)
 
 
 @register
@@ -92,7 +115,9 @@ class LogUniformSampler(_TableSampler):
 
     name = "log-uniform"
 
-    def __init__(self, embeddings: torch.Tensor, *, class_counts=None, seed: int = 0, exclude=None, **_common) -> None:
+    def __init__(
+        self, embeddings: torch.Tensor, *, class_counts=None, seed: int = defaults.SEED, exclude=None, **_common
+    ) -> None:
         super().__init__(embeddings, seed=seed, exclude=exclude)
         v = self.num_candidates
         r = torch.arange(v, dtype=torch.float64, device=self.device)

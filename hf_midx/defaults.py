@@ -1,0 +1,42 @@
+"""The default and the allowed values of every option that both :class:`hf_midx.MidxConfig` and a low-level
+builder take (:func:`hf_midx.build_sampler`, the samplers, :meth:`hf_midx.MidxIndex.build`,
+:func:`hf_midx.sampled_softmax_loss`): one place, so that ``build_sampler("midx-rq", w)`` and
+``hf_midx.wrap(model)`` build the same sampler and the loss uses the config's estimator.
+
+Plain constants at the bottom of the package: this module imports nothing, and the modules that own an
+option (the quantizers, the samplers, the loss) and the config that exposes it all read it from here.
+"""
+
+from __future__ import annotations
+
+#: K, the codewords per codebook of the MIDX samplers (K * K buckets).
+CODEBOOK_SIZE = 32
+#: Lloyd iterations per codebook at every (re)build of a MIDX index.
+KMEANS_ITERS = 20
+#: How k-means runs: plain PyTorch, or faiss when installed.
+KMEANS_BACKENDS = ("torch", "faiss")
+KMEANS_BACKEND = "torch"
+
+#: How a MIDX sampler draws a class inside a bucket: uniformly, or by its smoothed training count.
+LAST_STAGES = ("uniform", "frequency")
+LAST_STAGE = "uniform"
+#: The defensive mixture Q = (1 - a) Q_midx + a Q_static of the MIDX samplers: a and the static component.
+#: The unigram component needs class counts; a sampler built without them mixes in nothing (warned).
+MIX_WEIGHT = 0.5
+MIX_STATICS = ("unigram", "uniform")
+MIX_STATIC = "unigram"
+
+#: The smoothed training counts (count + smoothing) ** power of the unigram proposal, of the MIDX frequency
+#: last stage and of the MIDX unigram component (add-one smoothing keeps every class drawable).
+UNIGRAM_SMOOTHING = 1.0
+UNIGRAM_POWER = 1.0
+
+#: How the sampled softmax draws its negatives: each token its own, or one pool per batch.
+NEGATIVE_MODES = ("per-query", "shared")
+NEGATIVES = "per-query"
+#: How the label's logit enters the sampled softmax (see :mod:`hf_midx.loss`).
+ESTIMATORS = ("exact-positive", "corrected-positive")
+ESTIMATOR = "corrected-positive"
+
+#: Seed of a sampler's generator and of k-means.
+SEED = 0
