@@ -76,7 +76,7 @@ def check_counts(class_counts, num_classes: int, device) -> torch.Tensor:
 
 
 class Sampler:
-    """Base class: the API (checked and unchecked), exclusion of exactly-scored classes, the shared pool, RNG, state.
+    """Base class: the API (checked and unchecked), the exclusion of exactly-scored classes, the pool, RNG, state.
 
     Subclasses implement ``_sample``, ``_log_prob`` and ``refresh`` in local ids [0, V'); they may
     override ``_sample_scored`` and ``_log_prob_shared`` with faster versions, and ``check_options``
@@ -108,10 +108,10 @@ class Sampler:
 
     @classmethod
     def check_options(cls, **options) -> None:
-        """Validate the values of this sampler's ``options`` (a subset of :attr:`options`); ValueError.
+        """Validate the values of the given ``options`` (some of :attr:`options`); ValueError saying what to do.
 
-        The constructor calls it, and :class:`hf_midx.MidxConfig` through :func:`check_sampler_options`,
-        before any sampler is built. Subclasses check their own options and pass the rest on.
+        The constructor calls it, and :class:`hf_midx.MidxConfig` through :func:`check_sampler_options`
+        before any sampler is built. Subclasses check each option they read when it is given.
         """
 
     # ------------------------------------------------------------------ public API (checked)
@@ -233,9 +233,9 @@ class Sampler:
             ids (P,) int64 global ids; log_qbar (P,) float32 with
             log qbar(i) = logsumexp_t(log w_t + log Q(i | z_t)) - log sum_t w_t.
         """
-        q = self._queries(queries)
-        pool = self._draw_pool(q, num_samples, row_weights, as_counter_rng(generator, self.generator))
-        return self._to_global(pool), self._log_prob_shared(q, pool, self._log_row_weights(row_weights, q))
+        no_ids = torch.empty(0, dtype=torch.long, device=self.device)
+        pool, log_qbar, _ = self.draw_shared_scored(queries, num_samples, no_ids, row_weights, generator)
+        return pool, log_qbar
 
     def draw_shared_scored(
         self,
@@ -435,9 +435,10 @@ class Sampler:
         """log qbar of (N,) local ids; ``log_w`` (T,) normalized log weights or None (equal weights)."""
         if not self.query_dependent:
             return self._log_prob(q[:1], ids.unsqueeze(0))[0]
-        return mixture_log_prob(
-            lambda rows: self._log_prob(q[rows], ids.expand(rows.stop - rows.start, -1)), q.shape[0], ids.shape[0], log_w
-        )
+        def rows_of(rows: slice) -> torch.Tensor:
+            return self._log_prob(q[rows], ids.expand(rows.stop - rows.start, -1))
+
+        return mixture_log_prob(rows_of, q.shape[0], ids.shape[0], log_w)
 
     def __repr__(self) -> str:
         extra = "" if self.candidates is None else f", excluded={self.num_classes - self.num_candidates}"

@@ -56,7 +56,13 @@ class SphereSampler(_ExhaustiveSampler):
     _state_names = ("embeddings",)
 
     def __init__(
-        self, embeddings: torch.Tensor, *, sphere_alpha: float = 100.0, seed: int = defaults.SEED, exclude=None, **_common
+        self,
+        embeddings: torch.Tensor,
+        *,
+        sphere_alpha: float = 100.0,
+        seed: int = defaults.SEED,
+        exclude=None,
+        **_common,
     ) -> None:
         self.check_options(sphere_alpha=sphere_alpha)
         super().__init__(embeddings, seed=seed, exclude=exclude)

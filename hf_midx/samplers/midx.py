@@ -170,7 +170,8 @@ class MidxQuantizedSampler(MidxSampler):
                 f"{self.name}: {' and '.join(wanted)} {'needs' if len(wanted) == 1 else 'need'} class_counts "
                 "(training-token frequencies); without them the sampler draws uniformly inside buckets and mixes "
                 "in no static component. Pass class_counts= (e.g. hf_midx.wrap(model, config, "
-                "class_counts=hf_midx.token_counts(ids, V))) for the measured defaults.",
+                "class_counts=hf_midx.token_counts(ids, V))) for the measured defaults, or mix_weight=0.0 for "
+                "the paper's MIDX alone.",
                 UserWarning,
                 stacklevel=3,
             )
@@ -187,7 +188,8 @@ class MidxQuantizedSampler(MidxSampler):
             if mix_static == "unigram":
                 self._log_static = unigram_log_table(counts, unigram_smoothing, unigram_power)
             else:
-                self._log_static = torch.full((self.num_candidates,), -math.log(self.num_candidates), device=self.device)
+                v = self.num_candidates
+                self._log_static = torch.full((v,), -math.log(v), device=self.device)
             self._static_cum = self._log_static.double().exp().cumsum(0)
         self._after_index_change(None)
 
