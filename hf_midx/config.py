@@ -2,10 +2,10 @@
 
 The config is plain data: it saves to and loads from ``midx_config.json`` (with the hf-midx version
 stamped in), and :meth:`MidxConfig.sampler_kwargs` turns it into the arguments of
-:func:`hf_midx.build_sampler`. Sampler names come from :data:`hf_midx.samplers.SAMPLERS` and sampler
-options from :data:`hf_midx.samplers.SAMPLER_OPTIONS` (each sampler's own ``options`` table says which
-apply to it, and each sampler checks their values); the defaults shared with the low-level builders come
-from :mod:`hf_midx.defaults`. This module repeats none of them.
+:func:`hf_midx.build_sampler`. Sampler names and their option tables come from :mod:`hf_midx.registry`
+(each sampler's own ``options`` table says which apply to it, and each sampler checks their values); the
+defaults shared with the low-level builders come from :mod:`hf_midx.defaults`. This module repeats none of
+them, and imports no sampler, loss or quantizer.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from . import defaults
 from ._checks import check_positive_int, is_number
 from ._io import atomic_write
 from .defaults import ESTIMATORS, KMEANS_BACKENDS, LAST_STAGES, MIX_STATICS, NEGATIVE_MODES
-from .samplers import SAMPLER_OPTIONS, SAMPLERS, check_option_values, check_sampler_options
+from .registry import SAMPLERS, check_option_values, check_sampler_options
 from .version import __version__
 
 #: File name of a saved config inside a model or checkpoint directory.
@@ -54,7 +54,10 @@ class MidxConfig:
 
     sampler: str = field(
         default="midx-rq",
-        metadata={"help": f"Proposal distribution for the negatives; one of {', '.join(sorted(SAMPLERS))}."},
+        metadata={
+            "help": "Proposal distribution for the negatives: a name in hf_midx.SAMPLERS (midx-rq, midx-pq and "
+            "midx-exact are the MIDX samplers; an unknown name is refused with the list)."
+        },
     )
     num_samples: int | None = field(
         default=None,
@@ -153,7 +156,8 @@ class MidxConfig:
     sampler_options: dict = field(
         default_factory=dict,
         metadata={
-            "help": f"Extra sampler options (see hf_midx.samplers.SAMPLER_OPTIONS: {', '.join(SAMPLER_OPTIONS)})."
+            "help": "Extra options of the chosen sampler, by name (hf_midx.samplers.SAMPLER_OPTIONS lists them all; "
+            "each sampler's ``options`` table says which it reads, and it checks their values)."
         },
     )
     codebook_learning_rate: float = field(

@@ -39,7 +39,6 @@ not change by a bit. With "exact-positive" and the hits dropped, the two are the
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +46,6 @@ import torch.nn.functional as F
 from . import defaults
 from ._checks import check_ids, check_matrix, check_positive_int
 from .defaults import ESTIMATORS, NEGATIVE_MODES  # noqa: F401 (how the label's logit enters; the negatives modes)
-
-if TYPE_CHECKING:  # the loss only calls the sampler's hot-path methods; it needs no sampler module
-    from .samplers import Sampler
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -167,7 +163,7 @@ def sampled_softmax_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    sampler: Sampler,
+    sampler,
     num_samples: int,
     *,
     bias: torch.Tensor | None = None,
@@ -188,8 +184,10 @@ def sampled_softmax_loss(
         hidden: (T, D) final hidden states z_t (any float dtype; autograd flows to it).
         weight: (V, D) class embeddings / LM head weight (autograd flows to the rows touched).
         labels: (T,) int64 (or int32) in [0, V), or ``ignore_index``.
-        sampler: the proposal (see :func:`hf_midx.build_sampler`); queried with ``hidden`` detached,
-            for every token (ignored ones too: masking instead of compaction keeps shapes static).
+        sampler: the proposal, a :class:`hf_midx.Sampler` (see :func:`hf_midx.build_sampler`), of which the
+            loss calls the hot path only (``draw``, ``draw_scored``, ``draw_shared``, ``draw_shared_scored``,
+            ``num_classes``, ``excluded``), so it imports no sampler module; queried with ``hidden``
+            detached, for every token (ignored ones too: masking instead of compaction keeps shapes static).
         num_samples: M negatives per token ("per-query") or the pool size P ("shared").
         bias: optional (V,) output bias.
         negatives: "per-query" (each token its own M draws from Q(. | z_t), the paper) or "shared"

@@ -1,16 +1,17 @@
 """Proposal distributions Q(i | z) for sampled softmax, one interface for all of the paper's samplers.
 
-One module per family: :mod:`.base` (the interface), :mod:`.registry` (the names, the option table,
-:func:`build_sampler`), :mod:`.midx` (midx-rq, midx-pq, midx-exact), :mod:`.static` (uniform, unigram,
-log-uniform), :mod:`.kernel` (sphere, rff) and :mod:`.lsh`. Importing this package registers all of
-them in :data:`SAMPLERS`.
+One module per family: :mod:`.base` (the interface), :mod:`.midx` (midx-rq, midx-pq, midx-exact),
+:mod:`.static` (uniform, unigram, log-uniform), :mod:`.kernel` (sphere, rff) and :mod:`.lsh`. Importing
+this package registers all of them in :data:`SAMPLERS` (:mod:`hf_midx.registry`, with the option tables
+and :func:`build_sampler`).
 """
 
 from __future__ import annotations
 
 from ..defaults import LAST_STAGES, MIX_STATICS
-from .base import Sampler, check_counts
-from .registry import SAMPLERS, all_sampler_options, build_sampler, check_option_values, check_sampler_options, register
+from ..registry import SAMPLERS, all_sampler_options, build_sampler, check_option_values, check_sampler_options, register
+from .base import Sampler
+from .counts import check_counts
 from .midx import MidxExactSampler, MidxPQSampler, MidxQuantizedSampler, MidxRQSampler, MidxSampler  # noqa: I001
 from .static import LogUniformSampler, UniformSampler, UnigramSampler
 from .kernel import RFFSampler, SphereSampler  # (registration order: MIDX, static, kernel, LSH)

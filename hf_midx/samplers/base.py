@@ -27,6 +27,7 @@ import torch
 from .. import defaults
 from .._checks import check_ids, check_matrix, check_positive_int
 from ..rng import CounterRNG, as_counter_rng
+from .counts import check_counts  # noqa: F401 (hf_midx.head imports it from here)
 
 # Upper bound on the elements of one (chunk, V) or (chunk, K*K) work tensor (64 MiB in float32):
 # few chunks, since on a GPU each costs a dozen kernel launches.
@@ -58,21 +59,6 @@ def mixture_log_prob(
         part = torch.logsumexp(lp, dim=0)
         out = part if out is None else torch.logaddexp(out, part)
     return out if log_w is not None else out - math.log(num_queries)
-
-
-def check_counts(class_counts, num_classes: int, device) -> torch.Tensor:
-    """(V,) float64 training-token counts, validated (finite, non-negative, right length)."""
-    if class_counts is None:
-        raise ValueError(
-            "This sampler needs class_counts: a (V,) tensor of training-token frequencies "
-            "(e.g. torch.bincount(train_ids, minlength=V))."
-        )
-    counts = torch.as_tensor(class_counts, dtype=torch.float64, device=device)
-    if counts.shape != (num_classes,):
-        raise ValueError(f"class_counts must have shape ({num_classes},), got {tuple(counts.shape)}.")
-    if not bool(torch.isfinite(counts).all()) or bool((counts < 0).any()):
-        raise ValueError("class_counts must be finite and non-negative.")
-    return counts
 
 
 class Sampler:

@@ -15,7 +15,7 @@ def check_positive_number(options: dict, name: str) -> None:
     """``options[name]``, when given, must be a number > 0."""
     if name in options and not (is_number(options[name]) and options[name] > 0):
         raise ValueError(f"{name} must be a number > 0, got {options[name]!r}.")
-from .registry import register
+from ..registry import register
 
 
 class _ExhaustiveSampler(Sampler):

@@ -7,7 +7,7 @@ import torch
 from .. import defaults
 from .._checks import check_positive_int, is_number
 from .base import Sampler, row_chunks
-from .registry import register
+from ..registry import register
 
 
 @register

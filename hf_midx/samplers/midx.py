@@ -32,9 +32,9 @@ from .._checks import check_positive_int, is_number
 from ..defaults import KMEANS_BACKENDS, LAST_STAGES, MIX_STATICS
 from ..index import MidxIndex
 from ..quantizers import QUANTIZERS
-from .base import Sampler, check_counts, mixture_log_prob, row_chunks
-from .registry import register
-from .static import check_unigram_options, unigram_log_table
+from ..registry import register
+from .base import Sampler, mixture_log_prob, row_chunks
+from .counts import check_counts, check_unigram_options, unigram_log_table
 
 
 def check_choice(options: dict, name: str, choices: tuple) -> None:

@@ -7,24 +7,9 @@ import math
 import torch
 
 from .. import defaults
-from .._checks import is_number
-from .base import Sampler, check_counts
-from .registry import register
-
-
-def check_unigram_options(options: dict) -> None:
-    """The options of a unigram table, ``unigram_smoothing`` and ``unigram_power``, when given: numbers >= 0."""
-    for name in ("unigram_smoothing", "unigram_power"):
-        if name in options and not (is_number(options[name]) and options[name] >= 0):
-            raise ValueError(f"{name} must be a number >= 0, got {options[name]!r}.")
-
-
-def unigram_log_table(counts: torch.Tensor, smoothing: float, power: float) -> torch.Tensor:
-    """(V,) float32 log of (count + smoothing) ** power, normalized; ValueError if all weights are 0."""
-    weights = (counts + smoothing) ** power
-    if not bool((weights > 0).any()):
-        raise ValueError("class_counts are all zero; pass real counts or unigram_smoothing > 0.")
-    return (weights / weights.sum()).log().float()
+from ..registry import register
+from .base import Sampler
+from .counts import check_counts, check_unigram_options, unigram_log_table
 
 
 @register

@@ -1,20 +1,22 @@
-"""The registry of samplers by name, the per-sampler option table, and :func:`build_sampler`.
+"""The registry of samplers by name, their option tables, and :func:`build_sampler`.
 
-Each sampler module adds its classes with ``@register``; importing :mod:`hf_midx.samplers` registers all.
+Each module of :mod:`hf_midx.samplers` adds its classes with ``@register`` (importing ``hf_midx``
+registers them all); :class:`hf_midx.MidxConfig` reads the names and option tables from here to check
+a config before any sampler is built. A plain table at the bottom of the package: it imports no sampler
+(a class is a subclass of :class:`hf_midx.Sampler` with ``name``, ``options`` and ``check_options``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import defaults
-from .base import Sampler
+from . import defaults
 
-#: Sampler name -> class, in registration order (MIDX first); filled by the modules of this package.
-SAMPLERS: dict[str, type[Sampler]] = {}
+#: Sampler name -> class, in registration order (MIDX first); filled by the modules of hf_midx.samplers.
+SAMPLERS: dict[str, type] = {}
 
 
-def register(cls: type[Sampler]) -> type[Sampler]:
+def register(cls: type) -> type:
     """Class decorator: add a sampler class to :data:`SAMPLERS` under its ``name``."""
     if not cls.name or cls.name in SAMPLERS:
         raise ValueError(f"A sampler needs a new, non-empty name; got {cls.name!r}.")
@@ -77,8 +79,8 @@ def build_sampler(
     exclude: torch.Tensor | None = None,
     seed: int = defaults.SEED,
     **options,
-) -> Sampler:
-    """Build the proposal ``name`` over (V, D) class ``embeddings``.
+):
+    """Build the proposal ``name`` over (V, D) class ``embeddings``: a :class:`hf_midx.Sampler`.
 
     Every option left out takes the default of :class:`hf_midx.MidxConfig` (:mod:`hf_midx.defaults`):
     ``build_sampler(config.sampler, w, class_counts=c, **MidxConfig().sampler_kwargs())`` and
