@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import json
@@ -41,6 +42,17 @@ def test_the_docstring_lists_every_field_with_its_default_and_help():
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         assert f"``{f.name}`` = ``{default!r}``" in doc, f.name
         assert " ".join(f.metadata["help"].split()[:4]) in " ".join(doc.split()), f.name
+
+
+def test_config_imports_no_sampler_loss_or_quantizer():
+    """config.py stays low in the import graph: names and option tables from hf_midx.registry, defaults and
+    choices from hf_midx.defaults; each sampler checks its own options."""
+    import hf_midx.config
+
+    tree = ast.parse(open(hf_midx.config.__file__, encoding="utf-8").read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module is None for a in n.names}
+    assert imported and not imported & {"loss", "quantizers", "samplers", "head", "index"}, imported
 
 
 def test_the_low_level_builders_take_the_config_defaults():
