@@ -96,7 +96,9 @@ class MidxConfig:
     refresh_every_epoch: bool = field(
         default=True, metadata={"help": "Rebuild the sampler from the current head weight at the start of every epoch."}
     )
-    kmeans_iters: int = field(default=defaults.KMEANS_ITERS, metadata={"help": "Lloyd iterations per codebook at every (re)build."})
+    kmeans_iters: int = field(
+        default=defaults.KMEANS_ITERS, metadata={"help": "Lloyd iterations per codebook at every (re)build."}
+    )
     kmeans_backend: str = field(
         default=defaults.KMEANS_BACKEND,
         metadata={
@@ -399,7 +401,8 @@ def _fields_doc(cls) -> str:
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         text = f"* ``{f.name}`` = ``{default!r}``: {f.metadata['help']}"
-        lines.append(textwrap.fill(text, width=110, initial_indent="    ", subsequent_indent="      ", break_on_hyphens=False))
+        wrapped = textwrap.fill(text, 110, initial_indent="    ", subsequent_indent="      ", break_on_hyphens=False)
+        lines.append(wrapped)
     return "\n".join(lines) + "\n"
 
 

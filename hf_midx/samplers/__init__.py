@@ -9,7 +9,14 @@ and :func:`build_sampler`).
 from __future__ import annotations
 
 from ..defaults import LAST_STAGES, MIX_STATICS
-from ..registry import SAMPLERS, all_sampler_options, build_sampler, check_option_values, check_sampler_options, register
+from ..registry import (
+    SAMPLERS,
+    all_sampler_options,
+    build_sampler,
+    check_option_values,
+    check_sampler_options,
+    register,
+)
 from .base import Sampler
 from .counts import check_counts
 from .midx import MidxExactSampler, MidxPQSampler, MidxQuantizedSampler, MidxRQSampler, MidxSampler  # noqa: I001
