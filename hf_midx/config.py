@@ -159,7 +159,7 @@ class MidxConfig:
         default_factory=dict,
         metadata={
             "help": "Extra options of the chosen sampler, by name (hf_midx.samplers.SAMPLER_OPTIONS lists them all; "
-            "each sampler's ``options`` table says which it reads, and it checks their values)."
+            "each sampler's own option table says which it reads, and it checks their values)."
         },
     )
     codebook_learning_rate: float = field(
