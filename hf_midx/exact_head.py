@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from .samplers.base import check_counts
+from .samplers import check_counts
 
 
 def exact_head_ids(h: int, class_counts: torch.Tensor | None, num_classes: int) -> torch.Tensor | None:

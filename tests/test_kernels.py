@@ -15,7 +15,6 @@ at a time in Python: the shapes are small (T 64-256, V a few thousand) and the c
 from __future__ import annotations
 
 import collections
-import inspect
 import math
 import os
 import subprocess
@@ -125,15 +124,9 @@ def fixed_draws(case):
     return FixedDraws(case.weight.shape[0], case.ids, case.log_q, case.log_q_pos, case.head)
 
 
-# sampled_softmax_loss returns the exact-loss estimate as its value where it has ``exact_value`` (the objective before).
-EAGER_VALUE = "exact_value" in inspect.signature(sampled_softmax_loss).parameters
-
-
 def eager(case, logit_scale=1.0, logit_softcap=None, corrected_positive=True, remove_accidental_hits=False,
           exact_value=True, reduction="mean", sampler=None):
     """hf_midx.sampled_softmax_loss with the case's draws; the logit scale as the head applies it."""
-    if exact_value and not EAGER_VALUE:
-        pytest.skip("this sampled_softmax_loss has no exact_value: its value is the objective's")
     sampler = sampler or fixed_draws(case)
     hidden, bias = case.hidden, case.bias
     if logit_scale != 1.0:
@@ -142,7 +135,7 @@ def eager(case, logit_scale=1.0, logit_softcap=None, corrected_positive=True, re
         hidden, case.weight, case.labels, sampler, case.ids.shape[1], bias=bias, logit_softcap=logit_softcap,
         estimator="corrected-positive" if corrected_positive else "exact-positive",
         remove_accidental_hits=remove_accidental_hits, reduction=reduction, exact_ids=sampler.excluded,
-        check_labels=False, **({"exact_value": exact_value} if EAGER_VALUE else {}),
+        check_labels=False, exact_value=exact_value,
     )
 
 
@@ -273,7 +266,7 @@ def test_midx_draws():
     queries = case.hidden.detach().float()
     ids, log_q, log_q_pos = sampler.draw_scored(queries, 20, y.unsqueeze(1), generator=CounterRNG(7))
     drawn = case._replace(ids=ids, log_q=log_q, log_q_pos=log_q_pos.squeeze(1))
-    got = run(fused, drawn, exact_value=EAGER_VALUE)
+    got = run(fused, drawn, exact_value=True)
 
     def eager_midx(c):  # the loss draws for itself, from the same counter
         return sampled_softmax_loss(c.hidden, c.weight, c.labels, sampler, 20, bias=c.bias, exact_ids=sampler.excluded,
@@ -425,9 +418,9 @@ def count_ops(fn, case, monkeypatch):
 def test_fused_path_is_few_launches(monkeypatch):
     """One forward + backward of the default head: ATen ops plus Triton launches, against the eager loss."""
     case = make_case(128, 2000, 32, 20, 64, seed=6)
-    f_total, f_real, f_launch, f_sync = count_ops(lambda c: fused(c, exact_value=EAGER_VALUE), case, monkeypatch)
+    f_total, f_real, f_launch, f_sync = count_ops(lambda c: fused(c, exact_value=True), case, monkeypatch)
     sampler = fixed_draws(case)  # built outside the count: the loss's own ops only
-    e_total, e_real, _, _ = count_ops(lambda c: eager(c, exact_value=EAGER_VALUE, sampler=sampler), case, monkeypatch)
+    e_total, e_real, _, _ = count_ops(lambda c: eager(c, exact_value=True, sampler=sampler), case, monkeypatch)
     print(f"\nfused: {f_total} ATen ops ({f_real} not views/allocations) + {f_launch} Triton launches; "
           f"eager sampled_softmax_loss: {e_total} ATen ops ({e_real} not views/allocations)")
     assert f_launch == 3 and f_sync == 0

@@ -27,7 +27,6 @@ import torch
 from .. import defaults
 from .._checks import check_ids, check_matrix, check_positive_int
 from ..rng import CounterRNG, as_counter_rng
-from .counts import check_counts  # noqa: F401 (hf_midx.head imports it from here)
 
 # Upper bound on the elements of one (chunk, V) or (chunk, K*K) work tensor (64 MiB in float32):
 # few chunks, since on a GPU each costs a dozen kernel launches.
