@@ -53,3 +53,18 @@ def check_ids(name: str, ids: torch.Tensor, num_classes: int, *, ignore_index: i
 def is_number(value) -> bool:
     """True for an int or float that is not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_counts(class_counts, num_classes: int, device) -> torch.Tensor:
+    """(V,) float64 training-token counts, validated (finite, non-negative, right length)."""
+    if class_counts is None:
+        raise ValueError(
+            "This sampler needs class_counts: a (V,) tensor of training-token frequencies "
+            "(e.g. torch.bincount(train_ids, minlength=V))."
+        )
+    counts = torch.as_tensor(class_counts, dtype=torch.float64, device=device)
+    if counts.shape != (num_classes,):
+        raise ValueError(f"class_counts must have shape ({num_classes},), got {tuple(counts.shape)}.")
+    if not bool(torch.isfinite(counts).all()) or bool((counts < 0).any()):
+        raise ValueError("class_counts must be finite and non-negative.")
+    return counts

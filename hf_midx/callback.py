@@ -34,7 +34,7 @@ from .head import MidxLMHead, find_head
 from .learned_codebooks import CodebookTraining
 from .model_card import write_model_card
 from .nonfinite import ADVICE, MidxNonFiniteError, NonFiniteCheck
-from .samplers import SAMPLERS
+from .registry import SAMPLERS  # any hf_midx import runs hf_midx/__init__, which registers the samplers
 from .state import find_resume_folder, has_state
 
 
@@ -155,7 +155,8 @@ class MidxCallback(TrainerCallback):
             candidates = [self.resume_from_checkpoint, getattr(args, "resume_from_checkpoint", None),
                           os.path.join(args.output_dir, f"checkpoint-{state.global_step}")]  # fmt: skip
             folder = find_resume_folder(candidates, state.global_step)
-            saved = read_head_state(folder, head, rank=args.process_index, world_size=args.world_size)
+            saved = read_head_state(folder, head, rank=args.process_index, world_size=args.world_size,
+                                    check_extra=None if self.codebooks is None else self.codebooks.check_saved)
             load_head_state(saved, head, self.codebooks, seed=seed)
             self.last_refresh_step = saved.last_refresh_step
             explain_tied_weights(model, head)

@@ -8,16 +8,20 @@ The head is reached through its public methods (``sampler_state``, ``load_sample
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-from .learned_codebooks import CodebookTraining
 from .rng import CounterRNG
 from .state import GENERATOR_KEY, SavedState, checkpoint_facts, read_state, save_state
 
 logger = logging.getLogger(__name__)
 
 
-def read_head_state(folder: str, head, *, rank: int = 0, world_size: int = 1) -> SavedState:
+def read_head_state(folder: str, head, *, rank: int = 0, world_size: int = 1,
+                    check_extra: Callable[[dict, dict, str], None] | None = None) -> SavedState:
     """Read ``folder``'s MIDX state and check it against ``head`` (and its learned codebooks); loads nothing.
+
+    ``check_extra(extra, metadata, folder)`` checks the tensors and strings saved beside the sampler's: with
+    ``codebooks="learned"``, :meth:`hf_midx.learned_codebooks.CodebookTraining.check_saved`.
 
     Raises:
         ValueError: no MIDX state, or one made for another vocabulary, hidden size, sampler, codebook size,
@@ -26,13 +30,14 @@ def read_head_state(folder: str, head, *, rank: int = 0, world_size: int = 1) ->
     sampler = head.sampler_state()
     facts = checkpoint_facts(head.config, head.num_classes, head.in_features, sampler)
     saved = read_state(folder, facts=facts, sampler=sampler, exact_ids=head.exact_ids, rank=rank, world_size=world_size)
-    if head.config.codebooks == "learned":
-        CodebookTraining.check_saved(saved.extra, saved.metadata, folder)
+    if check_extra is not None:
+        check_extra(saved.extra, saved.metadata, folder)
     return saved
 
 
-def load_head_state(saved: SavedState, head, codebooks: CodebookTraining | None, *, seed: int) -> None:
-    """Load a :func:`read_head_state` result into the head's sampler (and ``codebooks``).
+def load_head_state(saved: SavedState, head, codebooks, *, seed: int) -> None:
+    """Load a :func:`read_head_state` result into the head's sampler (and ``codebooks``, the callback's
+    :class:`~hf_midx.learned_codebooks.CodebookTraining` or None: handed in, so this module stays below it).
 
     ``seed`` restarts this rank's generator when the checkpoint has no generator file for it (warned).
     """
@@ -42,8 +47,9 @@ def load_head_state(saved: SavedState, head, codebooks: CodebookTraining | None,
         codebooks.load(saved.extra, saved.metadata)
 
 
-def save_head_state(folder: str, head, codebooks: CodebookTraining | None, *, last_refresh_step: int, args) -> None:
-    """Write this rank's MIDX state into ``folder`` (every rank calls it; ``args``: the TrainingArguments)."""
+def save_head_state(folder: str, head, codebooks, *, last_refresh_step: int, args) -> None:
+    """Write this rank's MIDX state into ``folder`` (every rank calls it; ``args``: the TrainingArguments;
+    ``codebooks``: as in :func:`load_head_state`)."""
     sampler = head.sampler_state()
     save_state(
         folder,

@@ -32,9 +32,8 @@ import math
 import torch
 
 from ._checks import check_ids, check_matrix, check_positive_int, is_number
-from .loss import soft_cap
+from ._ops import row_chunks, soft_cap
 from .rng import CounterRNG
-from .samplers.base import Sampler, row_chunks
 
 #: Keys of :func:`proposal_diagnostics`, in logging order.
 DIAGNOSTIC_KEYS = ("kl_qp", "kl_pq", "ess", "ess_sampled", "mass_p_over_q_gt_10", "head_mass")
@@ -53,12 +52,12 @@ def _log_softmax(
 
 
 def kl_to_softmax(
-    sampler: Sampler, queries: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    sampler, queries: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Mean over queries of KL(Q(. | z) || softmax(z W^T + b)); O(S V) for S queries, so pass a few.
 
     Args:
-        queries: (S, D); weight: (V, D); bias: optional (V,).
+        sampler: a :class:`hf_midx.Sampler`; queries: (S, D); weight: (V, D); bias: optional (V,).
     Returns:
         scalar float32 tensor (nats).
     """
@@ -78,7 +77,7 @@ def kl_to_softmax(
 
 @torch.no_grad()
 def proposal_diagnostics(
-    sampler: Sampler,
+    sampler,
     queries: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -90,7 +89,8 @@ def proposal_diagnostics(
     """Coverage of the softmax by the proposal, averaged over S held queries (see the module docstring).
 
     Args:
-        sampler: the proposal.
+        sampler: the proposal, a :class:`hf_midx.Sampler` (not imported for the hint: this module stays below
+            the samplers package, which the head that calls it must not import).
         queries: (S, D) hidden states (any float dtype), S >= 1 and small (O(S V) work).
         weight: (V, D) head weight; bias: optional (V,).
         num_samples: M, the draws per token in training (for ``ess_sampled``).

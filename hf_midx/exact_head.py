@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from .samplers import check_counts
+from ._checks import check_counts
 
 
 def exact_head_ids(h: int, class_counts: torch.Tensor | None, num_classes: int) -> torch.Tensor | None:

@@ -22,7 +22,7 @@ from .config import MidxConfig
 from .diagnostics import proposal_diagnostics
 from .exact_head import exact_head_ids
 from .loss import full_softmax_loss, sampled_softmax_loss
-from .samplers import Sampler, build_sampler
+from .registry import build_sampler  # any hf_midx import runs hf_midx/__init__, which registers the samplers
 from .step_data import StepData
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class MidxLMHead(nn.Module):
         self.step_data = StepData(config.kl_queries)
         self._class_counts, self._exact_depth = class_counts, 0
         self.exact_ids: torch.Tensor | None = exact_head_ids(config.exact_head, class_counts, self.num_classes)
-        self.sampler: Sampler = self._build_sampler(self.weight)
+        self.sampler = self._build_sampler(self.weight)  # a hf_midx.Sampler (no import: the head stays below them)
         # What is in use, for midx_config.json and the model card: without class counts there is no exact head,
         # and a MIDX sampler mixes in no unigram and draws uniformly inside buckets (both warned).
         effective = {"exact_head": 0} if self.exact_ids is None and config.exact_head else {}
@@ -109,7 +109,7 @@ class MidxLMHead(nn.Module):
             self.linear.register_parameter("bias", None)
 
     # ------------------------------------------------------------------ sampler
-    def _build_sampler(self, weight: torch.Tensor) -> Sampler:
+    def _build_sampler(self, weight: torch.Tensor):
         exclude = None if self.exact_ids is None else self.exact_ids.to(weight.device)
         options = dict(class_counts=self._class_counts, exclude=exclude, **self.config.sampler_kwargs())
         return build_sampler(self.config.sampler, weight.detach(), **options)
@@ -130,7 +130,7 @@ class MidxLMHead(nn.Module):
             return self.sampler.refresh(w.detach())
         self.sampler = self._build_sampler(w)  # the head moved
 
-    def _sampler_on(self, device: torch.device) -> Sampler:
+    def _sampler_on(self, device: torch.device):
         if self.sampler.device != device:
             logger.info("MidxLMHead: the head moved to %s; rebuilding the sampler there.", device)
             self.sampler = self._build_sampler(self.weight)

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from . import defaults
 from ._checks import check_ids, check_matrix, check_positive_int
+from ._ops import soft_cap
 from .defaults import ESTIMATORS, NEGATIVE_MODES  # noqa: F401 (how the label's logit enters; the negatives modes)
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -104,12 +105,6 @@ class _CandidateLogits(torch.autograd.Function):
             if need_w:
                 grad_weight.index_add_(0, common, gs.t() @ hidden.to(weight.dtype))
         return grad_hidden, grad_weight, None, None, None
-
-
-def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """``cap * tanh(logits / cap)`` (Gemma-2's ``final_logit_softcapping``), any shape and dtype; ``logits`` when
-    ``cap`` is None."""
-    return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
 _softcap = soft_cap  # the name this module's losses call it by

@@ -25,7 +25,7 @@ from typing import Any
 from ._io import atomic_write
 from .config import EXACT_HEAD_FRACTION, MidxConfig
 from .loss import drops_accidental_hits
-from .samplers import SAMPLERS
+from .registry import SAMPLERS  # any hf_midx import runs hf_midx/__init__, which registers the samplers
 from .state import index_quantizer
 from .version import __version__, versions
 

@@ -35,6 +35,7 @@ from .codebooks import LearnableCodebooks
 from .config import MidxConfig
 from .distributed import refuse_data_parallel
 from .head import MidxLMHead, find_head
+from .learned_codebooks import CodebookTraining
 from .model_card import CARD_EXTRAS, perplexity, write_model_card
 from .state import MIDX_RNG_STATE_NAME, MIDX_STATE_NAME
 
@@ -128,8 +129,9 @@ class MidxTrainer(PerplexityMixin, Trainer):
             ValueError: no MIDX state (a plain Trainer's checkpoint), or one made for another vocabulary,
                 hidden size, sampler, codebook size, quantizer or codebook mode, or another number of processes.
         """
+        learned = self.midx_head.config.codebooks == "learned"
         read_head_state(os.fspath(checkpoint), self.midx_head, rank=self.args.process_index,
-                        world_size=self.args.world_size)  # fmt: skip
+                        world_size=self.args.world_size, check_extra=CodebookTraining.check_saved if learned else None)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         """``Trainer.train``; a MIDX checkpoint is checked against the model before anything is loaded

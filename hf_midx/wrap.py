@@ -20,7 +20,7 @@ from ._checks import is_number
 from .binding import HostBinding, MidxFusedOutput, uses_causal_lm_loss
 from .config import MidxConfig
 from .head import MidxLMHead, find_head
-from .loss import soft_cap
+from ._ops import soft_cap
 
 def wrap(
     model: nn.Module,

@@ -81,6 +81,24 @@ def test_the_low_level_builders_take_the_config_defaults():
             assert build_sampler("midx-rq", w, **kwargs).mix_weight == 0.0
 
 
+def test_the_wrapped_models_sampler_is_build_samplers():
+    """hf_midx.wrap(model) with MidxConfig() builds build_sampler("midx-rq", w)'s sampler (with the exact head
+    excluded): the same K, mixture and last stage, the same draws; its loss uses the config's estimator."""
+    import hf_midx
+    from hf_midx.head import find_head
+    from tests._models import VOCAB, tiny_model
+
+    counts = torch.arange(VOCAB) % 13 + 1
+    head, config = find_head(hf_midx.wrap(tiny_model("gpt2"), class_counts=counts)), MidxConfig()
+    bare = build_sampler("midx-rq", head.weight.detach(), class_counts=counts, exclude=head.exact_ids)
+    for s in (head.sampler, bare):
+        assert s.name == config.sampler and s.index.codebook_size == config.codebook_size
+        assert (s.mix_weight, s.mix_static, s.last_stage) == (config.mix_weight, config.mix_static, config.last_stage)
+    q = torch.randn(6, head.in_features, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(head.sampler.sample(q, 50)[0], bare.sample(q, 50)[0])
+    loss_default = inspect.signature(sampled_softmax_loss).parameters["estimator"].default
+    assert head.config.estimator == config.estimator == loss_default
+
 def test_num_samples_defaults_to_the_negatives_modes_own(tmp_path):
     """Unset, M is 20 per token but the shared pool, which serves a whole batch, is 1024; replace() moves a
     mode's default along with the mode and keeps a value set by hand; the saved file holds the number."""

@@ -447,13 +447,13 @@ def test_draw_scored_equals_draw_then_score(name, options, problem):
 @pytest.mark.parametrize("m", [2, 40], ids=["two-stage", "joint"])  # 2M <= K or not (K = 8: 64 buckets)
 def test_chunked_draws_equal_one_chunk(m, problem, monkeypatch):
     """Work tensors are split over query chunks to bound memory; the draws do not depend on the split."""
-    from hf_midx.samplers import base
+    from hf_midx import _ops
 
     smp = _build("midx-rq", problem[0], mix_weight=0.3)
     q = torch.randn(50, problem[0].shape[1], generator=torch.Generator().manual_seed(2))
     start = smp.generator.get_state()
     whole = smp.draw(q, m)
-    monkeypatch.setattr(base, "_WORK_ELEMENTS", 64 * 7)  # a few rows per chunk
+    monkeypatch.setattr(_ops, "_WORK_ELEMENTS", 64 * 7)  # a few rows per chunk
     smp.generator.set_state(start)
     split = smp.draw(q, m)
     assert torch.equal(whole[0], split[0])

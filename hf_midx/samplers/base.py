@@ -26,20 +26,8 @@ import torch
 
 from .. import defaults
 from .._checks import check_ids, check_matrix, check_positive_int
+from .._ops import row_chunks
 from ..rng import CounterRNG, as_counter_rng
-
-# Upper bound on the elements of one (chunk, V) or (chunk, K*K) work tensor (64 MiB in float32):
-# few chunks, since on a GPU each costs a dozen kernel launches.
-_WORK_ELEMENTS = 1 << 24
-
-
-def row_chunks(total: int, per_row: int):
-    """Slices of ``range(total)`` rows, each of at most about ``_WORK_ELEMENTS / per_row`` rows: bounds the
-    (rows, per_row) temporaries of a chunked computation."""
-    step = max(1, _WORK_ELEMENTS // max(per_row, 1))
-    for start in range(0, total, step):
-        yield slice(start, min(start + step, total))
-
 
 def mixture_log_prob(
     log_prob_rows: Callable[[slice], torch.Tensor], num_queries: int, num_ids: int, log_w: torch.Tensor | None

@@ -1,26 +1,12 @@
-"""Training-token counts: their check, and the smoothed unigram table that the unigram proposal, the MIDX
+"""Training-token counts: their check (:func:`check_counts`, defined in :mod:`hf_midx._checks` for the exact
+head, which sits above the samplers), and the smoothed unigram table that the unigram proposal, the MIDX
 frequency last stage and the MIDX defensive mixture draw from. Shapes: V classes."""
 
 from __future__ import annotations
 
 import torch
 
-from .._checks import is_number
-
-
-def check_counts(class_counts, num_classes: int, device) -> torch.Tensor:
-    """(V,) float64 training-token counts, validated (finite, non-negative, right length)."""
-    if class_counts is None:
-        raise ValueError(
-            "This sampler needs class_counts: a (V,) tensor of training-token frequencies "
-            "(e.g. torch.bincount(train_ids, minlength=V))."
-        )
-    counts = torch.as_tensor(class_counts, dtype=torch.float64, device=device)
-    if counts.shape != (num_classes,):
-        raise ValueError(f"class_counts must have shape ({num_classes},), got {tuple(counts.shape)}.")
-    if not bool(torch.isfinite(counts).all()) or bool((counts < 0).any()):
-        raise ValueError("class_counts must be finite and non-negative.")
-    return counts
+from .._checks import check_counts, is_number  # noqa: F401 (check_counts: re-exported for the samplers)
 
 
 def check_unigram_options(options: dict) -> None:

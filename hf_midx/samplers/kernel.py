@@ -8,7 +8,8 @@ import torch
 
 from .. import defaults
 from .._checks import check_positive_int, is_number
-from .base import Sampler, row_chunks
+from .._ops import row_chunks
+from .base import Sampler
 
 
 def check_positive_number(options: dict, name: str) -> None:

@@ -29,11 +29,12 @@ import torch
 
 from .. import defaults
 from .._checks import check_positive_int, is_number
+from .._ops import row_chunks
 from ..defaults import KMEANS_BACKENDS, LAST_STAGES, MIX_STATICS
 from ..index import MidxIndex
 from ..quantizers import QUANTIZERS
 from ..registry import register
-from .base import Sampler, mixture_log_prob, row_chunks
+from .base import Sampler, mixture_log_prob
 from .counts import check_counts, check_unigram_options, unigram_log_table
 
 
