@@ -141,7 +141,7 @@ def _default_head_cases(args, hidden, weight, labels, counts, device):
         same = mode == config.negatives and n == config.num_samples
         head_n = head if same else make_head(config.replace(negatives=mode, num_samples=n))
         name = "midx-default" if (mode, n) not in extra else f"midx-default-m{n}"
-        fn = lambda head_n=head_n: common.head_loss(head_n, hidden, labels)  # noqa: E731
+        fn = lambda head_n=head_n: head_n.loss(hidden, labels)  # noqa: E731
         q = hidden.detach().float()
         draw = (lambda s=head_n.sampler, n=n: s.draw(q, n)) if mode == "per-query" else \
             (lambda s=head_n.sampler, n=n: s.draw_shared(q, n))  # fmt: skip

@@ -513,13 +513,6 @@ def build_sampler(name: str, weight, counts, k: int, seed: int, built: dict | No
     return hf_midx.build_sampler(name, weight, codebook_size=k, class_counts=counts, seed=seed, **opts)
 
 
-def head_loss(head, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The sampled loss of a ``MidxLMHead`` on (T, D) hidden states and (T,) next-token labels (already shifted)."""
-    if hasattr(head, "loss"):
-        return head.loss(hidden, labels)
-    return head.loss_from_hidden(hidden, None, shift_labels=labels)
-
-
 def exact_kernels(device: torch.device) -> dict[str, Any]:
     """``cce`` / ``liger`` -> Cut Cross-Entropy's ``linear_cross_entropy`` / Liger's fused linear CE class, or
     None where the package is missing or there is no GPU (their kernels are Triton's)."""

@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
 
     def step():
         hidden.grad = weight.grad = None
-        common.head_loss(head, hidden, labels).backward()
+        head.loss(hidden, labels).backward()
 
     for _ in range(3):
         step()
