@@ -192,13 +192,55 @@ def test_wrapped_model_trains_alike_fused_and_eager(arch, fused_calls):
     assert heads[0].config.kernels == "fused" and heads[0].exact_ids is not None
 
 
+@compiled
 def test_wrapped_model_with_auto_is_eager_on_the_cpu(fused_calls):
     (auto, eager), batches = wrapped_pair("llama", "auto", "eager")
     assert train(auto, batches, steps=2) == train(eager, batches, steps=2)
     assert fused_calls["forward"] == 0
 
 
+@interpreted
+def test_fused_head_step_is_fewer_ops_and_no_sync(monkeypatch):
+    """One forward + backward of the default head's loss (the draw and the step bookkeeping included), counted
+    with :mod:`test_kernels`' dispatch-mode counter: the fused path is three Triton launches and fewer ATen ops
+    than the eager path's, none of which reads back to the host."""
+    from test_kernels import _FREE, OpCounter
+    from triton.runtime import interpreter
+
+    launches = []
+    call = interpreter.GridExecutor.__call__
+
+    def counted(self, *args, **kwargs):
+        launches.append(self.fn.__name__)
+        with torch.utils._python_dispatch._disable_current_modes():  # the interpreter's own copies are not ops
+            return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    models, _ = wrapped_pair("llama", "eager", "fused")
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(128, 32, generator=g).requires_grad_(True)
+    labels = torch.randint(2048, (128,), generator=g)
+    counts = {}
+    for model in models:
+        head = find_head(model).train()
+        for _ in range(2):  # the first call warms caches up
+            launches.clear()
+            hidden.grad = head.weight.grad = None
+            with OpCounter() as counter:
+                head.loss(hidden, labels).backward()
+        ops = counter.ops
+        real = sum(n for name, n in ops.items() if name not in _FREE)
+        syncs = sum(ops[name] for name in ("_local_scalar_dense", "nonzero", "item"))
+        counts[head.config.kernels] = (sum(ops.values()), real, len(launches), syncs)
+    print(f"\nhead.loss forward + backward, T = 128, V = 2,048, M = {M}, H = {H}: (ATen ops, of which neither views "
+          f"nor allocations, Triton launches, sync ops): {counts}")
+    (_, eager_real, eager_launches, eager_syncs), (_, fused_real, fused_launches, fused_syncs) = counts.values()
+    assert (eager_launches, fused_launches, eager_syncs, fused_syncs) == (0, 3, 0, 0)
+    assert fused_real + fused_launches < eager_real
+
+
 # ------------------------------------------------------------------------------------------ validation
+@compiled
 def test_config_field_validation_and_json(tmp_path):
     assert MidxConfig().kernels == "auto"
     for kernels in ("eager", "fused", "auto"):
@@ -220,6 +262,7 @@ def test_config_field_validation_and_json(tmp_path):
     assert MidxConfig.from_pretrained(tmp_path / "old").kernels == "auto"
 
 
+@compiled
 def test_loss_validation_draws_nothing_when_it_refuses(monkeypatch):
     p = problem(seed=4)
     start = p.sampler.generator.get_state()
