@@ -219,10 +219,10 @@ def sampled_softmax_loss(
         kernels: how the loss is computed from the draws. "eager" (the default here): plain PyTorch, the
             reference. "fused": per-query negatives through :func:`hf_midx.kernels.candidate_loss`'s Triton
             kernels, on the same draws (CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``; ValueError
-            where they cannot run, before anything is drawn). "auto": fused where they can run (CUDA tensors,
-            Triton importable, per-query negatives), else eager: ``MidxConfig``'s default, which the head
-            passes; a direct call keeps the reference unless asked, so that a test or benchmark on a GPU
-            measures what it names.
+            where they cannot run, before anything is drawn; they accumulate in float32). "auto": fused
+            where they can run (CUDA tensors, Triton importable, per-query negatives, a float32, bfloat16
+            or float16 weight), else eager: ``MidxConfig``'s default, which the head passes; a direct call
+            keeps the reference unless asked, so that a test or benchmark on a GPU measures what it names.
     Returns:
         float32 scalar (or (T,) for "none").
     """
@@ -269,7 +269,7 @@ def sampled_softmax_loss(
         # e.g. fp32 hidden states from a norm layer against a bf16 head: one dtype for the matmuls.
         hidden = hidden.to(weight.dtype)
     device = hidden.device
-    fused = _runs_fused(kernels, negatives, device)  # before the draws: a refused "fused" draws nothing
+    fused = _runs_fused(kernels, negatives, hidden)  # before the draws: a refused "fused" draws nothing
     valid = labels != ignore_index
     if not check_labels:
         _labels_in_range(labels, valid, weight.shape[0])
@@ -359,10 +359,18 @@ def sampled_softmax_loss(
     return _reduce(per_token, valid, reduction)
 
 
-def _runs_fused(kernels: str, negatives: str, device: torch.device) -> bool:
-    """Whether :func:`sampled_softmax_loss` takes the fused kernels (see its ``kernels``); for "fused", a
-    ValueError saying what to do where they cannot run. Triton is imported only for a CUDA device or "fused"."""
-    if kernels == "eager" or (kernels == "auto" and (negatives != "per-query" or device.type != "cuda")):
+# The dtypes "auto" hands to the kernels, which accumulate in float32: a float64 head keeps its precision eagerly.
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _runs_fused(kernels: str, negatives: str, hidden: torch.Tensor) -> bool:
+    """Whether :func:`sampled_softmax_loss` takes the fused kernels (see its ``kernels``) for ``hidden`` (already
+    in the weight's dtype); for "fused", a ValueError saying what to do where they cannot run. Triton is
+    imported only for CUDA tensors or "fused"."""
+    device = hidden.device
+    if kernels == "eager" or (
+        kernels == "auto" and (negatives != "per-query" or device.type != "cuda" or hidden.dtype not in _FUSED_DTYPES)
+    ):
         return False
     if negatives != "per-query":
         raise ValueError(
