@@ -16,8 +16,6 @@ import collections
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,8 +26,8 @@ from hf_midx.config import CONFIG_NAME
 from hf_midx.head import find_head
 from hf_midx.kernels import candidate, triton_available
 
-from _env import REPO, offline_env
 from _models import clone_model, markov_batches, tiny_model
+from test_kernels import _FREE, OpCounter, launched_kernels, run_interpreted
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not triton_available(), reason="the fused kernels need Triton (Linux x86_64 wheels)")
@@ -45,12 +43,7 @@ T, V, D, M, H = 96, 2000, 32, 12, 64
 @needs_triton
 def test_interpreted_fused_head():
     """This file again, in a child process whose Triton interprets (see the module docstring)."""
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=REPO, env=offline_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600,
-    )
-    print(child.stdout[-2000:])
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    run_interpreted(__file__)
 
 
 @pytest.fixture
@@ -204,18 +197,7 @@ def test_fused_head_step_is_fewer_ops_and_no_sync(monkeypatch):
     """One forward + backward of the default head's loss (the draw and the step bookkeeping included), counted
     with :mod:`test_kernels`' dispatch-mode counter: the fused path is three Triton launches and fewer ATen ops
     than the eager path's, none of which reads back to the host."""
-    from test_kernels import _FREE, OpCounter
-    from triton.runtime import interpreter
-
-    launches = []
-    call = interpreter.GridExecutor.__call__
-
-    def counted(self, *args, **kwargs):
-        launches.append(self.fn.__name__)
-        with torch.utils._python_dispatch._disable_current_modes():  # the interpreter's own copies are not ops
-            return call(self, *args, **kwargs)
-
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    launches = launched_kernels(monkeypatch)
     models, _ = wrapped_pair("llama", "eager", "fused")
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(128, 32, generator=g).requires_grad_(True)
