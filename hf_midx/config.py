@@ -22,7 +22,7 @@ from typing import Any
 from . import defaults
 from ._checks import check_positive_int, is_number
 from ._io import atomic_write
-from .defaults import ESTIMATORS, KMEANS_BACKENDS, LAST_STAGES, MIX_STATICS, NEGATIVE_MODES
+from .defaults import ESTIMATORS, KERNEL_MODES, KMEANS_BACKENDS, LAST_STAGES, MIX_STATICS, NEGATIVE_MODES
 from .registry import SAMPLERS, check_option_values, check_sampler_options
 from .version import __version__
 
@@ -131,6 +131,19 @@ class MidxConfig:
             "warning, see for_vocabulary). Needs class_counts (without them it is off, with a warning)."
         },
     )
+    kernels: str = field(
+        default=defaults.KERNELS,
+        metadata={
+            "help": f"How the sampled softmax is computed; one of {KERNEL_MODES}. 'auto' (default): the fused Triton "
+            "kernels of hf_midx.kernels (the candidates' logits, the loss and its gradients in three kernels) where "
+            "they can run: the head on a CUDA device in float32, bfloat16 or float16, Triton installed (it ships "
+            "with torch's CUDA builds) and negatives='per-query'; the eager PyTorch path otherwise (on the CPU, "
+            "and for shared negatives). "
+            "'fused': always the kernels; a ValueError where they cannot run (negatives='shared' at once; no Triton, "
+            "or CPU tensors outside TRITON_INTERPRET=1, at the first training step). 'eager': always the PyTorch "
+            "path. Both compute the same loss and gradients from the same draws (within float rounding)."
+        },
+    )
     mix_weight: float = field(
         default=defaults.MIX_WEIGHT,
         metadata={
@@ -236,6 +249,16 @@ class MidxConfig:
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}.")
         self._check_int("exact_head", 0)
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(
+                f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}; 'auto' takes the fused kernels "
+                "where they can run and the eager path elsewhere."
+            )
+        if self.kernels == "fused" and self.negatives != "per-query":
+            raise ValueError(
+                f"kernels='fused' computes per-query negatives only, got negatives={self.negatives!r}; use "
+                "negatives='per-query', or kernels='auto' (eager for shared negatives)."
+            )
         self._check_float("codebook_learning_rate", positive=True)
         self._check_float("kl_weight", positive=False)
         self._check_int("kl_queries", 1)

@@ -38,5 +38,11 @@ NEGATIVES = "per-query"
 ESTIMATORS = ("exact-positive", "corrected-positive")
 ESTIMATOR = "corrected-positive"
 
+#: How the per-query sampled softmax is computed: the fused Triton kernels of :mod:`hf_midx.kernels`, the eager
+#: PyTorch path (the reference, and the CPU path), or "auto": fused where they can run (CUDA tensors, Triton,
+#: per-query negatives). ``MidxConfig`` defaults to "auto"; :func:`hf_midx.sampled_softmax_loss` to "eager".
+KERNEL_MODES = ("auto", "fused", "eager")
+KERNELS = "auto"
+
 #: Seed of a sampler's generator and of k-means.
 SEED = 0

@@ -189,7 +189,8 @@ class MidxLMHead(nn.Module):
                 loss = sampled_softmax_loss(
                     h, weight, y, sampler, cfg.num_samples, negatives=cfg.negatives,
                     remove_accidental_hits=cfg.remove_accidental_hits, check_labels=False,
-                    estimator=cfg.estimator, exact_ids=sampler.excluded, **options,  # excluded: on the sampler's device
+                    estimator=cfg.estimator, exact_ids=sampler.excluded, kernels=cfg.kernels,
+                    **options,  # excluded: on the sampler's device
                 )
                 self.step_data.record(raw, y, ignore_index, loss)
         count = num_items_in_batch

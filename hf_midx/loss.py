@@ -34,6 +34,11 @@ same logits: the partition function Z estimated without bias,
 loss reads like the full softmax's (the corrected-positive objective itself sits well below it, since its
 positive is one more candidate), comparable line by line with a full-softmax run; what is optimized does
 not change by a bit. With "exact-positive" and the hits dropped, the two are the same number.
+
+Two implementations compute the per-query loss from the draws: the eager PyTorch code below (the
+reference and the CPU path) and the fused Triton kernels of :mod:`hf_midx.kernels` (``kernels="fused"``,
+or "auto" on CUDA, as ``MidxConfig`` has it), which take the very same draws, so that both give one loss
+within float rounding. Shared negatives always run eager.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import torch.nn.functional as F
 from . import defaults
 from ._checks import check_ids, check_matrix, check_positive_int
 from ._ops import soft_cap
-from .defaults import ESTIMATORS, NEGATIVE_MODES  # noqa: F401 (how the label's logit enters; the negatives modes)
+from .defaults import ESTIMATORS, KERNEL_MODES, NEGATIVE_MODES  # noqa: F401 (the label's logit; the negatives)
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -172,6 +177,7 @@ def sampled_softmax_loss(
     exact_ids: torch.Tensor | None = None,
     check_labels: bool = True,
     exact_value: bool = True,
+    kernels: str = "eager",
 ) -> torch.Tensor:
     """Sampled-softmax cross-entropy corrected by the proposal (an estimator of the full loss).
 
@@ -210,6 +216,13 @@ def sampled_softmax_loss(
             loss has no graph break.
         exact_value: return as the value an estimate of the exact cross-entropy (the default), with the
             gradient of the sampled objective; False returns the objective itself (see the module docstring).
+        kernels: how the loss is computed from the draws. "eager" (the default here): plain PyTorch, the
+            reference. "fused": per-query negatives through :func:`hf_midx.kernels.candidate_loss`'s Triton
+            kernels, on the same draws (CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``; ValueError
+            where they cannot run, before anything is drawn; they accumulate in float32). "auto": fused
+            where they can run (CUDA tensors, Triton importable, per-query negatives, a float32, bfloat16
+            or float16 weight), else eager: ``MidxConfig``'s default, which the head passes; a direct call
+            keeps the reference unless asked, so that a test or benchmark on a GPU measures what it names.
     Returns:
         float32 scalar (or (T,) for "none").
     """
@@ -228,6 +241,8 @@ def sampled_softmax_loss(
         )
     if not isinstance(exact_value, bool):
         raise ValueError(f"exact_value must be True or False, got {exact_value!r}.")
+    if kernels not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}.")
     if sampler.num_classes != weight.shape[0]:
         raise ValueError(
             f"The sampler indexes {sampler.num_classes} classes but weight has {weight.shape[0]} rows; "
@@ -254,6 +269,7 @@ def sampled_softmax_loss(
         # e.g. fp32 hidden states from a norm layer against a bf16 head: one dtype for the matmuls.
         hidden = hidden.to(weight.dtype)
     device = hidden.device
+    fused = _runs_fused(kernels, negatives, hidden)  # before the draws: a refused "fused" draws nothing
     valid = labels != ignore_index
     if not check_labels:
         _labels_in_range(labels, valid, weight.shape[0])
@@ -267,12 +283,25 @@ def sampled_softmax_loss(
     )
     # One evaluation of the proposal gives the draws and, for the corrected positive, the label's log q.
     corrected = estimator == "corrected-positive"
+    drops = drops_accidental_hits(remove_accidental_hits, estimator)
     if negatives == "per-query":
         if corrected:
             ids, log_q, log_q_pos = sampler.draw_scored(queries, num_samples, y.unsqueeze(1), generator=generator)
             log_q_pos = log_q_pos.squeeze(1)
         else:
             ids, log_q = sampler.draw(queries, num_samples, generator=generator)  # (T, M)
+            log_q_pos = None
+        if fused:
+            from .kernels import candidate_loss  # lazily: the kernels' module imports Triton when they run
+
+            # The same draws, estimator and head: the kernels take the sorted head (excluded equals exact_ids'
+            # set, checked above) and mask the ignored tokens themselves; the labels were range-checked above.
+            return candidate_loss(
+                hidden, weight, labels, ids, log_q, log_q_pos, bias=bias,
+                head_ids=excluded.to(device) if num_exact else None, ignore_index=ignore_index,
+                logit_softcap=logit_softcap, corrected_positive=corrected, remove_accidental_hits=drops,
+                exact_value=exact_value, reduction=reduction, backend="fused",
+            )
         rows = torch.cat([y.unsqueeze(1), ids], dim=1)  # (T, 1 + M)
         hits = ids == y.unsqueeze(1)
     else:
@@ -314,7 +343,6 @@ def sampled_softmax_loss(
     else:
         pos_term = pos
         target = pos
-    drops = drops_accidental_hits(remove_accidental_hits, estimator)
     value = None
     if exact_value and not (estimator == "exact-positive" and drops):  # else the objective is that estimate
         value = _exact_estimate(head, pos, in_head, neg, log_q, hits, num_samples)
@@ -329,6 +357,43 @@ def sampled_softmax_loss(
         per_token = per_token + (value - per_token.detach())
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
     return _reduce(per_token, valid, reduction)
+
+
+# The dtypes "auto" hands to the kernels, which accumulate in float32: a float64 head keeps its precision eagerly.
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _runs_fused(kernels: str, negatives: str, hidden: torch.Tensor) -> bool:
+    """Whether :func:`sampled_softmax_loss` takes the fused kernels (see its ``kernels``) for ``hidden`` (already
+    in the weight's dtype); for "fused", a ValueError saying what to do where they cannot run. Triton is
+    imported only for CUDA tensors or "fused"."""
+    device = hidden.device
+    if kernels == "eager" or (
+        kernels == "auto" and (negatives != "per-query" or device.type != "cuda" or hidden.dtype not in _FUSED_DTYPES)
+    ):
+        return False
+    if negatives != "per-query":
+        raise ValueError(
+            f"kernels='fused' computes per-query negatives only, got negatives={negatives!r}; "
+            "use negatives='per-query', or kernels='auto' (eager for shared negatives)."
+        )
+    if torch.compiler.is_compiling():
+        return True  # a compiled graph runs on a GPU, and torch's CUDA builds ship Triton: nothing to import
+    from .kernels import triton_available, triton_interpreting
+
+    if kernels == "auto":
+        return triton_available()
+    if not triton_available():
+        raise ValueError(
+            "kernels='fused' needs Triton (it ships with torch's CUDA builds on Linux; else pip install triton); "
+            "use kernels='auto' or 'eager'."
+        )
+    if device.type != "cuda" and not triton_interpreting():
+        raise ValueError(
+            f"kernels='fused' runs on CUDA tensors (got {device.type}), or on the CPU under TRITON_INTERPRET=1 "
+            "(slow, for tests); move the model to a GPU, or use kernels='auto' or 'eager'."
+        )
+    return True
 
 
 @torch.no_grad()

@@ -39,16 +39,21 @@ interpreted = pytest.mark.skipif(
 compiled = pytest.mark.skipif(INTERPRETED, reason="runs in the parent process, whose Triton compiles")
 
 
-@compiled
-@needs_triton
-def test_interpreted_kernels():
-    """This file again, in a child process whose Triton interprets (see the module docstring)."""
+def run_interpreted(test_file: str) -> None:
+    """Run a test file in a child process whose Triton interprets (see the module docstring); fail with its output."""
     child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
         cwd=REPO, env=offline_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600,
     )
     print(child.stdout[-2000:])
     assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+
+
+@compiled
+@needs_triton
+def test_interpreted_kernels():
+    """This file again, in a child process whose Triton interprets."""
+    run_interpreted(__file__)
 
 
 class FixedDraws:
@@ -385,8 +390,8 @@ _FREE = {"view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "expa
          "as_strided", "detach", "empty", "empty_like", "empty_strided", "_to_copy", "reshape"}
 
 
-def count_ops(fn, case, monkeypatch):
-    """(ATen ops, of which neither views nor allocations, Triton launches, sync ops) of one forward + backward."""
+def launched_kernels(monkeypatch) -> list[str]:
+    """The list to which every Triton launch from now on appends its kernel's name (interpreter only)."""
     from triton.runtime import interpreter
 
     launches = []
@@ -398,6 +403,12 @@ def count_ops(fn, case, monkeypatch):
             return call(self, *args, **kwargs)
 
     monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    return launches
+
+
+def count_ops(fn, case, monkeypatch):
+    """(ATen ops, of which neither views nor allocations, Triton launches, sync ops) of one forward + backward."""
+    launches = launched_kernels(monkeypatch)
     run(fn, case)  # warm-up (imports, caches)
     launches.clear()
     for x in (case.hidden, case.weight, case.bias):
