@@ -141,6 +141,31 @@ def test_wrapped_model_on_device(arch, dtype):
     assert not big, f"a (tokens x vocab) tensor was built on {DEVICE.type}: {big[:3]}"
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="kernels='auto' takes the fused kernels on CUDA only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_default_head_on_cuda_takes_the_fused_kernels(dtype, monkeypatch):
+    """MidxConfig()'s kernels="auto" runs hf_midx.kernels on CUDA, with the eager path's loss and gradients."""
+    kernels = pytest.importorskip("hf_midx.kernels")
+    if not kernels.triton_available():
+        pytest.skip("Triton is not installed")
+    calls = []
+    fused_loss = kernels.candidate_loss
+    monkeypatch.setattr(kernels, "candidate_loss", lambda *a, **k: calls.append(1) or fused_loss(*a, **k))
+    ids = torch.randint(400, (2, 40), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    runs = {}
+    for mode in ("auto", "eager"):
+        model = tiny_model("llama").to(DEVICE, dtype)
+        hf_midx.wrap(model, num_samples=24, codebook_size=8, kmeans_iters=5, kernels=mode)
+        model.train()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        runs[mode] = (loss.detach(), model.get_output_embeddings().weight.grad.float())
+    assert len(calls) == 1, "kernels='auto' did not take the fused path on CUDA"
+    tol = dict(rtol=2e-2, atol=2e-3) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(runs["auto"][0], runs["eager"][0], **tol)
+    torch.testing.assert_close(runs["auto"][1], runs["eager"][1], **tol)
+
+
 # ------------------------------------------------------------------------------------------ trainer
 def test_trainer_bf16_trains_evaluates_exactly_and_exports(tmp_path):
     train, evals = RowsDataset(markov_rows(400)), RowsDataset(eval_rows(64))
