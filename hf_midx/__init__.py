@@ -13,10 +13,10 @@ and the saved model is a plain transformers model. In short::
 
 The main names: ``wrap`` / ``unwrap`` (the head of a causal LM), ``MidxConfig`` (every option), ``MidxTrainer``
 and ``MidxCallback`` (index refresh, checkpoints, diagnostics), ``token_counts``, ``refresh_index`` (for your
-own training loop). The algorithm underneath (``index``, ``quantizers``, ``samplers``, ``loss``, ``codebooks``,
-``diagnostics``, ``rng``) is plain PyTorch; the Hugging Face layer (``config``, ``head``, ``callback``,
-``state``, ``trainer``, ``model_card``) is imported on first use, so ``import hf_midx`` does not load
-transformers' Trainer. (``wrap`` / ``unwrap`` are bound at import: they share the name of their module
+own training loop). The algorithm underneath (``index``, ``quantizers``, ``samplers``, ``loss`` and their
+helpers) is plain PyTorch, with Triton kernels beside it in ``kernels``; the Hugging Face layer (``config``, ``head``, ``callback``, ``trainer``,
+``model_card`` and theirs) is imported on first use, so ``import hf_midx`` does not load transformers' Trainer.
+(``wrap`` / ``unwrap`` are bound at import: they share the name of their module
 ``hf_midx.wrap``, which a lazy lookup would leave in their place.)
 """
 
