@@ -1,11 +1,23 @@
-"""hf-midx: adaptive sampled softmax with an inverted multi-index for large-vocabulary LM training.
+"""hf-midx: train language models with large vocabularies faster, inside Hugging Face Transformers.
 
-The algorithm (``index``, ``quantizers``, ``samplers``, ``loss``, ``codebooks``, ``diagnostics``,
-``rng``) is plain PyTorch.
-The Hugging Face layer (``config``, ``head``, ``callback``, ``state``, ``trainer``, ``model_card``)
-is imported lazily, so ``import hf_midx`` does not import transformers' models or Trainer until one
-of its names is used. ``wrap`` / ``unwrap`` are bound at import: the functions share the name of
-their module ``hf_midx.wrap``, which a lazy lookup would leave in their place.
+In training, the output softmax over all V words becomes a sampled softmax: the label, the most frequent words
+(scored exactly) and a few negatives per token drawn from an inverted multi-index over the output embeddings
+(MIDX, Chen et al., *Adaptive Sampled Softmax with Inverted Multi-Index*). Evaluation and generation stay exact,
+and the saved model is a plain transformers model. In short::
+
+    import hf_midx
+    counts = hf_midx.token_counts(train_ids, V)  # (V,) training-token counts
+    hf_midx.wrap(model, hf_midx.MidxConfig().for_vocabulary(V), class_counts=counts)  # in place
+    trainer = hf_midx.MidxTrainer(model=model, args=args, train_dataset=train)  # or MidxCallback.install
+    trainer.train()
+
+The main names: ``wrap`` / ``unwrap`` (the head of a causal LM), ``MidxConfig`` (every option), ``MidxTrainer``
+and ``MidxCallback`` (index refresh, checkpoints, diagnostics), ``token_counts``, ``refresh_index`` (for your
+own training loop). The algorithm underneath (``index``, ``quantizers``, ``samplers``, ``loss`` and their
+helpers) is plain PyTorch, with Triton kernels beside it in ``kernels``; the Hugging Face layer (``config``, ``head``, ``callback``, ``trainer``,
+``model_card`` and theirs) is imported on first use, so ``import hf_midx`` does not load transformers' Trainer.
+(``wrap`` / ``unwrap`` are bound at import: they share the name of their module
+``hf_midx.wrap``, which a lazy lookup would leave in their place.)
 """
 
 import importlib as _importlib

@@ -3,8 +3,9 @@
 The exact head (the most frequent classes scored exactly), the unigram half of the default mixture and
 the unigram / log-uniform samplers all rank classes by how often they occur as training tokens. This
 module turns what a user has at hand (a tensor of ids, lists of ids, a ``datasets.Dataset`` with an
-``input_ids`` column) into the (V,) int64 tensor they need. Plain PyTorch; ``datasets`` is never imported
-(a dataset is recognised by its ``column_names``).
+``input_ids`` column) into the (V,) int64 tensor they need. Labels work too: their ignore index (-100, the
+masked prompt of SFT and the padding) is left out, so counting the labels counts exactly the training targets.
+Plain PyTorch; ``datasets`` is never imported (a dataset is recognised by its ``column_names``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ __all__ = ["token_counts"]
 _CHUNK_ROWS = 1024
 
 
-def token_counts(data: Any, vocab_size: int, *, column: str = "input_ids") -> torch.Tensor:
+def token_counts(
+    data: Any, vocab_size: int, *, column: str = "input_ids", ignore_index: int | None = -100
+) -> torch.Tensor:
     """(V,) int64 count of each token id in ``data``: the ``class_counts`` of ``hf_midx.wrap``.
 
     Args:
@@ -31,37 +34,49 @@ def token_counts(data: Any, vocab_size: int, *, column: str = "input_ids") -> to
             - a ``datasets.Dataset`` (or a dict of lists) with a ``column`` of ids, e.g. the output of
               ``dataset.map(tokenize)``; a ``DatasetDict`` must be given one split (``ds["train"]``).
         vocab_size: V, the number of classes of the head (``model.config.vocab_size``).
-        column: the column holding the ids in a dataset or dict.
+        column: the column holding the ids in a dataset or dict (``"labels"`` counts the training targets).
+        ignore_index: an id that is not a token and is not counted: -100 (the default) is the ignore index of
+            the loss, which labels hold for padding and, in SFT, for the masked prompt. ``None`` counts every id.
 
     Returns:
-        An int64 tensor of shape (V,), on the CPU.
+        An int64 tensor of shape (V,), on the CPU: how many times each id occurs, ``ignore_index`` left out.
 
     Raises:
-        ValueError: ``vocab_size`` is not a positive integer, ``data`` holds no ids, an id is negative or
-            ``>= vocab_size``, a value is not an integer, or the dataset has no such column.
+        ValueError: ``vocab_size`` is not a positive integer, ``data`` holds no ids (other than
+            ``ignore_index``), an id is negative or ``>= vocab_size``, or the dataset has no such column.
+            Ids must be integers: a floating-point tensor or list is refused even when its values are whole
+            (convert it with ``.long()``), as a float there is more likely a weight or a probability than an id.
 
-    Label padding (``-100``) is not a token: count the ``input_ids`` of the training set, before padding,
-    or strip it first.
+    Example: ``token_counts([[1, 2, 2, -100]], 5)`` is ``tensor([0, 1, 2, 0, 0])``.
     """
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}.")
+    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+        raise ValueError(f"ignore_index must be an integer or None, got {ignore_index!r}.")
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     seen = 0
     for ids in _id_chunks(data, column):
         if ids.numel() == 0:
             continue
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise ValueError(f"token ids must be integers, got dtype {ids.dtype}.")
+            raise ValueError(
+                f"token ids must be integers, got dtype {ids.dtype}; if these are whole-number ids, convert them "
+                "with .long()."
+            )
         ids = ids.reshape(-1).to(torch.int64)
+        if ignore_index is not None:
+            ids = ids[ids != ignore_index]
+            if ids.numel() == 0:
+                continue
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= vocab_size:
             bad = low if low < 0 else high
-            hint = " (-100 is label padding: count input_ids, not labels)" if bad == -100 else ""
-            raise ValueError(f"token id {bad} is outside [0, {vocab_size}) (vocab_size={vocab_size}){hint}.")
+            raise ValueError(f"token id {bad} is outside [0, {vocab_size}) (vocab_size={vocab_size}).")
         counts += torch.bincount(ids.cpu(), minlength=vocab_size)
         seen += ids.numel()
     if seen == 0:
-        raise ValueError("token_counts got no token ids; pass the training set's ids.")
+        what = "" if ignore_index is None else f" other than the ignore index {ignore_index}"
+        raise ValueError(f"token_counts got no token ids{what}; pass the training set's ids.")
     return counts
 
 

@@ -35,6 +35,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 import hf_midx
+from hf_midx._io import atomic_write
 from hf_midx.model_card import extend_model_card, save_model_card
 from hf_midx.state import has_state
 from hf_midx.trainer import MidxTrainer, PerplexityMixin
@@ -209,56 +210,114 @@ class FullSoftmaxTrainer(PerplexityMixin, Trainer):
 
 #: With no progress bar (stderr not a terminal: tee, nohup, CI), a progress line at least this often, in seconds.
 PROGRESS_SECONDS = 20.0
-#: Written into every checkpoint-N: the training seconds so far, for results.json after a resume.
+#: Written into every checkpoint-N: the training seconds so far and the steps where the run's sessions began,
+#: for results.json after a resume.
 TIME_NAME = "recipe_time.json"
 
 
 class TrainingClock(TrainerCallback):
-    """Time and tokens of the training, the earlier sessions of a resumed run included; progress lines.
+    """The run's training time, tokens/s and ``train_loss``, earlier sessions of a resumed run included; progress.
 
-    It records the tokens seen when training starts (after a resumed state is loaded) and the seconds that
-    evaluations took during ``train()`` (they count in the Trainer's ``train_runtime``). Every checkpoint gets
-    ``recipe_time.json`` (the training seconds so far), which a resume reads back, so ``results.json`` gives
-    the whole run's time. With ``quiet_progress`` (no progress bar: stderr is not a terminal) it logs a
-    progress line at the first step and then every :data:`PROGRESS_SECONDS`.
+    Tokens/s, defined here once: the tokens trained (``state.num_input_tokens_seen``) over the seconds spent
+    training, which are ``train()``'s own less the evaluations during it (checkpoint saves count), over the
+    whole run: a resumed run adds the earlier sessions' seconds, which every checkpoint keeps in
+    ``recipe_time.json``. The figure replaces ``train_tokens_per_second`` in every training log entry and in
+    the end-of-training summary (the Trainer's counts the evaluations and this session only), so the log, the
+    recipe's last line and ``results.json`` hold the same number. The summary's ``train_loss`` becomes the whole
+    run's too: the mean of the Trainer's per-step loss over the earlier sessions' logged steps
+    (``state.log_history``) and this session's steps. The figures of the summary are kept in ``summary``.
+
+    With ``quiet_progress`` (no progress bar: stderr is not a terminal) it logs a progress line at the first
+    step and then every :data:`PROGRESS_SECONDS`, and so while an evaluation scores its batches
+    (``on_prediction_step``); ``evaluating`` names what the next evaluation scores.
     """
 
     def __init__(self, resume: str | None = None, quiet_progress: bool = False):
         self.resume, self.quiet_progress = resume, quiet_progress
         self.start_tokens, self.start_step, self.eval_seconds, self.training = 0, 0, 0.0, False
         self.earlier = {"train_runtime_s": 0.0, "eval_during_training_s": 0.0}  # of earlier sessions
+        self.earlier_known = True  # False: a checkpoint without recipe_time.json, this session's figures only
+        self.session_starts = [0]  # the steps at which the run's sessions began
+        self.earlier_loss = (0.0, 0)  # the sum of the logged per-step losses of earlier sessions, and their steps
         path = None if resume is None else os.path.join(resume, TIME_NAME)
         if path is not None and os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
                 saved = json.load(f)
             self.earlier.update({k: float(saved[k]) for k in self.earlier if k in saved})
+            self.session_starts = [int(step) for step in saved.get("session_starts", [0])]
         elif path is not None:
+            self.earlier_known = False
             logger.warning(
                 "%s has no %s (saved by another program, or stopped right after the Trainer's files): "
-                "results.json's training time will count this session only.",
+                "results.json's training time and tokens/s will count this session only.",
                 os.path.basename(os.path.normpath(resume)),
                 TIME_NAME,
             )
         self.began = self.last_line = time.perf_counter()
         self.ended: float | None = None
+        self.summary: dict[str, Any] | None = None
+        self.evaluating, self.eval_began, self.eval_batches, self.eval_line = "the validation split", None, 0, 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start_tokens, self.eval_seconds, self.training = state.num_input_tokens_seen, 0.0, True
-        self.began, self.start_step, self.ended = time.perf_counter(), state.global_step, None
+        self.began, self.start_step, self.ended, self.summary = time.perf_counter(), state.global_step, None, None
         self.last_line = self.began - PROGRESS_SECONDS  # the first step logs a line
+        if self.start_step not in self.session_starts:
+            self.session_starts.append(self.start_step)
+        self.earlier_loss = _logged_loss(state.log_history, self.session_starts, self.start_step)
         if self.resume is not None and state.is_world_process_zero:
             step, total = state.global_step, state.max_steps
             logger.info("resuming from %s (step %d of %d)", os.path.basename(self.resume), step, total)
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.training, self.ended = False, time.perf_counter()  # the final evaluations and saves do not count
+        self.training = False  # the final evaluations and saves do not count
+        self.ended = self.ended or time.perf_counter()
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.eval_began = None
         if self.training and metrics:
             self.eval_seconds += sum(v for k, v in metrics.items() if k.endswith("_runtime"))
 
+    def on_predict(self, args, state, control, **kwargs):
+        self.eval_began = None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self.training or not logs or not ("loss" in logs or "train_loss" in logs):
+            return  # an evaluation's entry, or one logged outside train()
+        now = time.perf_counter()
+        figures = {"train_tokens_per_second": self.tokens_per_second(args, state, now)}
+        if "train_loss" in logs:  # the end-of-training summary: the run's figures are fixed here
+            self.ended = now
+            total, steps = self.earlier_loss
+            session_steps = state.global_step - self.start_step
+            total, steps = total + float(logs["train_loss"]) * session_steps, steps + session_steps
+            figures["train_loss"] = total / steps if steps else None
+            self.summary = {**self.totals(), "tokens_per_second": figures["train_tokens_per_second"]}
+            self.summary["train_loss"] = figures["train_loss"]
+        figures = {k: v for k, v in figures.items() if v is not None}
+        # The Trainer appended a copy of this entry to log_history before calling the callbacks.
+        entry = state.log_history[-1] if state.log_history else None
+        if entry is not None and all(entry.get(k) == logs.get(k) for k in ("loss", "train_loss")):
+            entry.update(figures)
+        logs.update(figures)
+
+    def tokens_per_second(self, args, state, now: float) -> float | None:
+        """The run's tokens/s so far (see the class docstring); None without token counts."""
+        if args.include_num_input_tokens_seen == "no":
+            return None
+        tokens = state.num_input_tokens_seen - (0 if self.earlier_known else self.start_tokens)
+        seconds = self.training_seconds(now)
+        return tokens / seconds if tokens > 0 and seconds > 0 else None
+
+    def training_seconds(self, now: float) -> float:
+        """The seconds spent training so far, without the evaluations during training, earlier sessions included."""
+        earlier = self.earlier["train_runtime_s"] - self.earlier["eval_during_training_s"]
+        return earlier + (self.ended or now) - self.began - self.eval_seconds
+
     def on_step_end(self, args, state, control, **kwargs):
         now = time.perf_counter()
+        if control.should_evaluate:  # set by the Trainer's flow callback, which runs first
+            self.expect_evaluation("the validation split")
         if not self.quiet_progress or not state.is_world_process_zero or now - self.last_line < PROGRESS_SECONDS:
             return
         self.last_line = now
@@ -273,10 +332,43 @@ class TrainingClock(TrainerCallback):
             _duration(left),
         )
 
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if control.should_evaluate:
+            self.expect_evaluation("the validation split")
+
+    def expect_evaluation(self, what: str) -> None:
+        """An evaluation of ``what`` (e.g. "the test split") starts now: its progress lines count from here."""
+        self.evaluating, self.eval_began, self.eval_batches = what, time.perf_counter(), 0
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        now = time.perf_counter()
+        if self.eval_began is None:  # an evaluation no one announced: timed from its first batch
+            self.expect_evaluation(self.evaluating)
+        self.eval_batches += 1
+        quiet = not self.quiet_progress or not state.is_world_process_zero
+        if quiet or (self.eval_batches > 1 and now - self.eval_line < PROGRESS_SECONDS):
+            return  # a line at the first batch, then every PROGRESS_SECONDS
+        self.eval_line = now
+        try:
+            total = len(eval_dataloader)
+        except TypeError:  # no dataloader, or an iterable one of unknown length
+            total = None
+        elapsed = now - self.eval_began
+        left = elapsed / self.eval_batches * (total - self.eval_batches) if total else float("nan")
+        logger.info(
+            "evaluating %s: batch %d of %s%s, %s elapsed, about %s left",
+            self.evaluating,
+            self.eval_batches,
+            total or "?",
+            f" ({100 * self.eval_batches / total:.0f}%)" if total else "",
+            _duration(elapsed),
+            _duration(left),
+        )
+
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if state.is_world_process_zero and os.path.isdir(folder):
-            write_json(os.path.join(folder, TIME_NAME), self.totals())
+            write_json(os.path.join(folder, TIME_NAME), {**self.totals(), "session_starts": self.session_starts})
 
     def totals(self) -> dict[str, float]:
         """Training and in-training evaluation seconds of the whole run so far (earlier sessions included)."""
@@ -286,13 +378,39 @@ class TrainingClock(TrainerCallback):
         }
 
 
+def _logged_loss(history: Sequence[dict[str, Any]], session_starts: Sequence[int], until: int) -> tuple[float, int]:
+    """The sum of the per-step training losses logged up to step ``until``, and the number of steps they cover.
+
+    Each ``loss`` entry of the log history is the mean over the steps since the previous entry or since its
+    session began, whichever is later (steps after a session's last entry and before its checkpoint were never
+    logged, so they are not covered).
+    """
+    total, steps, previous = 0.0, 0, 0
+    for entry in history:
+        step = entry.get("step", 0)
+        if "loss" not in entry or step > until:
+            continue
+        begin = max([previous, *(start for start in session_starts if start < step)])
+        total, steps, previous = total + float(entry["loss"]) * (step - begin), steps + step - begin, step
+    return total, steps
+
+
 class LogLines(TrainerCallback):
-    """The Trainer's log entries on stderr, where the recipe logs (transformers' PrinterCallback uses stdout)."""
+    """The Trainer's log entries on stderr, where the recipe logs (transformers' PrinterCallback uses stdout).
+
+    Numbers of 1,000 and above show as whole numbers (tokens/s, seconds), others with 4 significant digits.
+    """
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
-            shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in logs.items() if k != "total_flos"}
+            shown = {k: _shown(v) for k, v in logs.items() if k != "total_flos"}
             logger.info("%s", shown)
+
+
+def _shown(value: Any) -> Any:
+    if not isinstance(value, float):
+        return value
+    return f"{value:.0f}" if math.isfinite(value) and abs(value) >= 1000 else f"{value:.4g}"
 
 
 def _duration(seconds: float) -> str:
@@ -302,10 +420,11 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def _split_metrics(trainer, blocks: lm_data.TokenBlocks, prefix: str) -> dict[str, Any]:
+def _split_metrics(trainer, blocks: lm_data.TokenBlocks, prefix: str, clock: TrainingClock) -> dict[str, Any]:
     """Exact full-softmax loss / perplexity of ``blocks``: the Trainer's evaluation, reused if it just ran.
 
     Every block predicts ``seq_len`` tokens, so the Trainer's per-block average is the per-token average.
+    ``clock`` times the evaluation's progress lines.
     """
     state = trainer.state
     last = next((e for e in reversed(state.log_history) if f"{prefix}_loss" in e), None)
@@ -317,18 +436,21 @@ def _split_metrics(trainer, blocks: lm_data.TokenBlocks, prefix: str) -> dict[st
     ):
         loss = float(last["eval_loss"])
     else:
+        clock.expect_evaluation("the validation split" if prefix == "eval" else f"the {prefix} split")
         loss = float(trainer.evaluate(eval_dataset=blocks, metric_key_prefix=prefix)[f"{prefix}_loss"])
     ppl = math.exp(loss) if loss < 700 else math.inf
     return {"loss": loss, "perplexity": ppl, "tokens": blocks.num_predicted_tokens}
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON, atomically: a reader never sees half a file (a temporary file, then a rename)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, allow_nan=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Write ``data`` as JSON, atomically: a reader never sees half a file (``hf_midx._io.atomic_write``)."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, allow_nan=True)
+            f.write("\n")
+
+    atomic_write(path, write)
 
 
 def train_and_report(
@@ -356,7 +478,7 @@ def train_and_report(
     with its traceback, and no ``results.json`` is written.
     """
     from transformers import set_seed
-    from transformers.trainer_callback import PrinterCallback
+    from transformers.trainer_callback import DefaultFlowCallback, PrinterCallback
 
     set_seed(training_args.seed)
     model = build_model(model_args, data, seq_len)
@@ -424,26 +546,29 @@ def train_and_report(
         os.remove(results_path)
     if training_args.process_index == 0 and overwrite and resume is None:
         _remove_checkpoints(training_args.output_dir)
+    # The clock rewrites the log entries' tokens/s and train_loss: the reporting integrations (TensorBoard, ...),
+    # which the Trainer puts before the callbacks it is given, go after it so that they report its figures.
+    for callback in list(trainer.callback_handler.callbacks):
+        if callback is counter:
+            break
+        if not isinstance(callback, DefaultFlowCallback):
+            trainer.add_callback(trainer.pop_callback(callback))
     if training_args.disable_tqdm:  # the log entries on stderr with the recipe's lines, not on stdout
         trainer.remove_callback(PrinterCallback)
         trainer.add_callback(LogLines())
     try:
-        metrics = trainer.train(resume_from_checkpoint=resume).metrics
-        valid = _split_metrics(trainer, data.valid, "eval")
-        test = _split_metrics(trainer, data.test, "test") if data.test is not None else None
+        trainer.train(resume_from_checkpoint=resume)
+        valid = _split_metrics(trainer, data.valid, "eval", counter)
+        test = _split_metrics(trainer, data.test, "test", counter) if data.test is not None else None
         trainer.save_model()
         trainer.save_state()
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (see run)
         raise _interrupted(err, training_args, out_existed) from None
 
-    runtime = float(metrics.get("train_runtime", float("nan")))
-    train_seconds = runtime - counter.eval_seconds  # without the evaluations during training
-    trained = trainer.state.global_step > counter.start_step  # False: resumed after its last epoch
-    totals = counter.totals()
-    tokens = session_tokens = None
+    trainer_summary = counter.summary or {**counter.totals(), "tokens_per_second": None, "train_loss": None}
+    tokens = None
     if training_args.include_num_input_tokens_seen != "no":
         tokens = int(trainer.state.num_input_tokens_seen)  # carried in the checkpoint's trainer state
-        session_tokens = tokens - int(counter.start_tokens)
     results = {
         "recipe": recipe,
         "complete": True,
@@ -469,17 +594,16 @@ def train_and_report(
         "valid_perplexity": valid["perplexity"],
         "test_loss": None if test is None else test["loss"],
         "test_perplexity": None if test is None else test["perplexity"],
-        "train_loss": metrics.get("train_loss") if trained else None,
+        # The whole run's, earlier sessions of a resumed run included (TrainingClock): the mean per-step loss the
+        # Trainer logs, and tokens/s over the training time without evaluations, as the log's last entry has them.
+        "train_loss": trainer_summary["train_loss"],
         "global_step": trainer.state.global_step,
         "epoch": trainer.state.epoch,
-        # The whole run's, earlier sessions of a resumed run included; tokens_per_second is this session's.
         "train_tokens_seen": tokens,
-        "train_runtime_s": totals["train_runtime_s"] if resume else runtime,
-        "eval_during_training_s": totals["eval_during_training_s"],
+        "train_runtime_s": trainer_summary["train_runtime_s"],
+        "eval_during_training_s": trainer_summary["eval_during_training_s"],
         "resumed_from": None if resume is None else os.path.basename(os.path.normpath(resume)),
-        "tokens_per_second": (
-            session_tokens / train_seconds if session_tokens is not None and trained and train_seconds > 0 else None
-        ),
+        "tokens_per_second": trainer_summary["tokens_per_second"],
         "wall_time_s": time.perf_counter() - started,
         "world_size": training_args.world_size,
         "device": str(training_args.device),
@@ -505,7 +629,7 @@ def train_and_report(
             recipe,
             results["valid_perplexity"],
             "" if test is None else f", test perplexity {results['test_perplexity']:.3f}",
-            "n/a" if results["tokens_per_second"] is None else f"{results['tokens_per_second']:.0f}",
+            "n/a" if results["tokens_per_second"] is None else _shown(results["tokens_per_second"]),  # as logged
             results["train_runtime_s"],
             results["wall_time_s"],
             results_path,

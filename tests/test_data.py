@@ -56,15 +56,31 @@ def test_counts_of_a_streamed_dataset_are_read_lazily():
     assert torch.equal(token_counts(streamed, 50), expected)
 
 
+def test_the_ignore_index_is_not_counted():
+    """SFT labels mask the prompt (and padding) with -100, the loss's ignore index: the rest are the targets."""
+    assert token_counts([[1, 2, 2, -100]], 5).tolist() == [0, 1, 2, 0, 0]
+    labels = torch.tensor([[-100, -100, 3, 4], [-100, 4, 4, -100]])
+    assert token_counts(labels, 5).tolist() == [0, 0, 0, 1, 3]
+    assert token_counts({"labels": labels.tolist()}, 5, column="labels").tolist() == [0, 0, 0, 1, 3]
+    # Another ignore index (here the padding id 0), or none: -100 is then an id like any other, and refused.
+    assert token_counts([[0, 0, 1]], 2, ignore_index=0).tolist() == [0, 1]
+    with pytest.raises(ValueError, match="token id -100 is outside"):
+        token_counts([[1, -100]], 5, ignore_index=None)
+    with pytest.raises(ValueError, match="ignore_index must be an integer or None"):
+        token_counts([[1]], 5, ignore_index=-100.0)
+
+
 @pytest.mark.parametrize(
     "data, vocab_size, message",
     [
         (torch.tensor([0, 5]), 5, "token id 5 is outside"),
-        (torch.tensor([0, -100]), 5, "-100 is label padding"),
+        (torch.tensor([0, -5]), 5, "token id -5 is outside"),
         (torch.tensor([0.5]), 5, "integers"),
+        (torch.tensor([1.0, 2.0]), 5, r"convert them with \.long\(\)"),  # whole numbers, but not ids
         ([[1.5, 2.0]], 5, "integers"),
         (torch.tensor([], dtype=torch.long), 5, "no token ids"),
         ([[], []], 5, "no token ids"),
+        ([[-100, -100]], 5, "no token ids other than the ignore index -100"),
         ("some text", 5, "tokenize it first"),
         (torch.tensor([1]), 0, "vocab_size must be a positive integer"),
         (torch.tensor([1]), True, "vocab_size must be a positive integer"),

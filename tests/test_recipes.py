@@ -363,6 +363,29 @@ def test_wikitext2_exports_a_plain_model_with_exact_perplexity(trained, corpus, 
     # On stderr, as transformers logs; stdout stays empty.
     assert "'loss'" in result.stderr and ("midx/kl" in result.stderr) == (sampler != "full")
     assert result.stdout == "" and "step 1 of 20" in result.stderr
+    # Evaluation shows progress as training does: a line at the first batch (then every 20 s).
+    assert "evaluating the test split: batch 1 of " in result.stderr
+    check_one_throughput(out, result.stderr)
+
+
+def check_one_throughput(out: Path, stderr: str) -> dict:
+    """tokens/s and train_loss: one figure each, the same in the log, the recipe's last line and results.json."""
+    import ast
+    import re
+
+    results = json.loads((out / "results.json").read_text())
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    summary = next(e for e in reversed(history) if "train_loss" in e)  # the end-of-training entry
+    assert summary["train_tokens_per_second"] == results["tokens_per_second"] > 0
+    assert summary["train_loss"] == results["train_loss"]
+    seconds = results["train_runtime_s"] - results["eval_during_training_s"]
+    assert math.isclose(results["tokens_per_second"], results["train_tokens_seen"] / seconds, rel_tol=1e-9)
+    logged = [ast.literal_eval(line.split("INFO recipes: ", 1)[1]) for line in stderr.splitlines() if "'train_loss'" in line]
+    assert len(logged) == 1, stderr[-3000:]
+    done = re.search(r" done: .*?, ([0-9.]+) tokens/s, ", stderr)
+    assert done and logged[0]["train_tokens_per_second"] == done.group(1), stderr[-3000:]
+    assert math.isclose(float(done.group(1)), results["tokens_per_second"], rel_tol=1e-3)
+    return results
 
 
 # ---------------------------------------------------------------------- bad input: one line, exit 2, nothing written
@@ -589,7 +612,7 @@ def test_a_stop_while_a_checkpoint_is_saved_removes_it_and_resumes_from_the_one_
     out = tmp_path / "run"
     argv = ["--output_dir", str(out), "--vocab_size", "2000", "--max_steps", "8", "--train_tokens", "4000",
             "--eval_tokens", "400", "--test_tokens", "400", "--eval_strategy", "no", "--save_strategy", "steps",
-            "--save_steps", "3", "--logging_steps", "1", *TINY]  # fmt: skip
+            "--save_steps", "3", *TINY, "--logging_steps", "1"]  # fmt: skip
     cut_short = (
         "import transformers\n"
         "save = transformers.TrainerState.save_to_json\n"
@@ -627,6 +650,13 @@ def test_a_stop_while_a_checkpoint_is_saved_removes_it_and_resumes_from_the_one_
     session = next(e["train_runtime"] for e in state["log_history"] if "train_loss" in e)
     assert earlier > 0 and abs(results["train_runtime_s"] - (earlier + session)) < 1.0, (results, earlier, session)
     assert results["train_tokens_seen"] == 8 * 8 * 17  # and its tokens: 8 steps of 8 blocks of 17
+    # train_loss and tokens/s are the whole run's, both sessions', as the log's summary has them: with a loss
+    # logged at every step, the mean of the 8 logged losses (3 from checkpoint-3's history), not of the last 5.
+    losses = {e["step"]: e["loss"] for e in state["log_history"] if "loss" in e}
+    assert sorted(losses) == list(range(1, 9))
+    assert math.isclose(results["train_loss"], sum(losses.values()) / 8, rel_tol=1e-6)
+    assert not math.isclose(results["train_loss"], sum(losses[s] for s in range(4, 9)) / 5, rel_tol=1e-6)
+    check_one_throughput(out, resumed.stderr)
     from recipes.benchmarks import recipe_runs
 
     run = recipe_runs.load_run(out)
@@ -640,6 +670,46 @@ def test_a_stop_while_a_checkpoint_is_saved_removes_it_and_resumes_from_the_one_
     again = run_recipe("large_vocab.py", *argv, "--max_steps", "9", "--resume_from_checkpoint", "last")
     check_ok(again)
     assert f"{newest.name} has no recipe_time.json" in again.stderr and "this session only" in again.stderr
+
+
+def test_the_logged_loss_of_earlier_sessions_is_weighted_by_the_steps_each_entry_covers():
+    from recipes.lm_recipe import _logged_loss
+
+    # Session 1 logged at steps 2 and 4 and saved checkpoint-5; session 2 began at 5 and logged at 6 (step 6
+    # alone: the Trainer counts from the resume), saved checkpoint-7; step 5 and step 7 were never logged.
+    history = [{"loss": 1.0, "step": 2}, {"eval_loss": 9.0, "step": 2}, {"loss": 2.0, "step": 4},
+               {"loss": 4.0, "step": 6}, {"loss": 8.0, "step": 8}]  # fmt: skip
+    assert _logged_loss(history, [0, 5], until=7) == (1.0 * 2 + 2.0 * 2 + 4.0 * 1, 5)
+    assert _logged_loss(history, [0], until=4) == (6.0, 4)
+    assert _logged_loss([], [0], until=3) == (0.0, 0)
+
+
+def test_evaluation_logs_progress_at_its_first_batch_and_then_every_20_seconds(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from recipes import lm_recipe
+
+    now = [100.0]
+    monkeypatch.setattr(lm_recipe.time, "perf_counter", lambda: now[0])
+    clock = lm_recipe.TrainingClock(quiet_progress=True)
+    state = SimpleNamespace(is_world_process_zero=True)
+    clock.expect_evaluation("the test split")
+    with caplog.at_level("INFO", logger="recipes"):
+        for _ in range(40):  # 40 batches of 1.5 s
+            now[0] += 1.5
+            clock.on_prediction_step(None, state, None, eval_dataloader=[None] * 40)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "evaluating the test split: batch 1 of 40 (2%), 0m02s elapsed, about 0m58s left",
+        "evaluating the test split: batch 15 of 40 (38%), 0m22s elapsed, about 0m38s left",
+        "evaluating the test split: batch 29 of 40 (72%), 0m44s elapsed, about 0m16s left",
+    ], lines
+    caplog.clear()
+    clock.on_evaluate(None, state, None, metrics={"test_loss": 1.0})
+    quiet = lm_recipe.TrainingClock(quiet_progress=False)  # a terminal: the Trainer's progress bar shows it
+    with caplog.at_level("INFO", logger="recipes"):
+        quiet.on_prediction_step(None, state, None, eval_dataloader=[None] * 4)
+    assert not caplog.records
 
 
 def test_a_model_with_more_embedding_rows_than_the_vocabulary_trains_with_midx(tmp_path):
