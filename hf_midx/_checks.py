@@ -56,7 +56,11 @@ def is_number(value) -> bool:
 
 
 def check_counts(class_counts, num_classes: int, device) -> torch.Tensor:
-    """(V,) float64 training-token counts, validated (finite, non-negative, right length)."""
+    """(V,) float64 training-token counts, validated (finite, non-negative, right length).
+
+    Counts need not be whole numbers: only their ratios are used (the unigram proposal, the exact head's
+    most frequent classes), so smoothed or reweighted frequencies are accepted as they are.
+    """
     if class_counts is None:
         raise ValueError(
             "This sampler needs class_counts: a (V,) tensor of training-token frequencies "

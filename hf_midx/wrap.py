@@ -36,8 +36,9 @@ def wrap(
         model: a causal LM (``AutoModelForCausalLM``), possibly inside a PEFT wrapper, whose
             ``get_output_embeddings()`` is an ``nn.Linear`` (tied or not, with or without bias).
         config: the :class:`~hf_midx.MidxConfig`; defaults to ``MidxConfig()``.
-        class_counts: (V,) training-token counts, for the "unigram" (required) and "log-uniform"
-            samplers and the exact head.
+        class_counts: (V,) training-token counts (e.g. ``hf_midx.token_counts``), for the "unigram"
+            (required) and "log-uniform" samplers and the exact head; any finite non-negative
+            weights are accepted, since only their ratios are used.
         verify: run two 8-token forwards in eval mode to check that the head reproduces the model's
             logits and loss (catches architectures that post-process logits in ways the head does
             not model); skipped with a warning if the model cannot run on plain ``input_ids``.
