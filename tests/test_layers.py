@@ -128,3 +128,17 @@ def test_at_most_seven_floors_from_the_top():
         assert len(chain) <= MAX_FLOORS, (
             f"{room} stands on floor {len(chain)} (at most {MAX_FLOORS}): " + " -> ".join(chain)
         )
+
+
+# Sizes past which a file holds more than one idea (the house's limits; see CHANGELOG): the head is a layer, the
+# callback a scheduler, MidxTrainer the callback plus exact evaluation.
+MAX_LINES = {"hf_midx.head": 250, "hf_midx.callback": 300}
+
+
+def test_each_file_holds_one_idea():
+    for name, path in MODULES.items():
+        lines = len(path.read_text().splitlines())
+        assert lines <= MAX_LINES.get(name, 450), f"{path.relative_to(PACKAGE.parent)} has {lines} lines"
+    trainer = ast.parse(MODULES["hf_midx.trainer"].read_text())
+    (cls,) = [n for n in trainer.body if isinstance(n, ast.ClassDef) and n.name == "MidxTrainer"]
+    assert cls.end_lineno - cls.lineno + 1 <= 120, f"MidxTrainer has {cls.end_lineno - cls.lineno + 1} lines"
