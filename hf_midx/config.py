@@ -134,14 +134,10 @@ class MidxConfig:
     kernels: str = field(
         default=defaults.KERNELS,
         metadata={
-            "help": f"How the sampled softmax is computed; one of {KERNEL_MODES}. 'auto' (default): the fused Triton "
-            "kernels of hf_midx.kernels (the candidates' logits, the loss and its gradients in three kernels) where "
-            "they can run: the head on a CUDA device in float32, bfloat16 or float16, Triton installed (it ships "
-            "with torch's CUDA builds) and negatives='per-query'; the eager PyTorch path otherwise (on the CPU, "
-            "and for shared negatives). "
-            "'fused': always the kernels; a ValueError where they cannot run (negatives='shared' at once; no Triton, "
-            "or CPU tensors outside TRITON_INTERPRET=1, at the first training step). 'eager': always the PyTorch "
-            "path. Both compute the same loss and gradients from the same draws (within float rounding)."
+            "help": f"How the sampled loss is computed from the draws; one of {KERNEL_MODES}. 'auto': fused Triton "
+            "kernels (hf_midx.kernels) on CUDA with Triton and per-query negatives, eager PyTorch elsewhere. 'fused': "
+            "always the kernels (a ValueError where they cannot run); 'eager': always PyTorch. Same loss and "
+            "gradients from the same draws, within float rounding."
         },
     )
     mix_weight: float = field(
