@@ -283,15 +283,20 @@ def sampled_softmax_loss(
     else:
         pos_term = pos
         target = pos
+    # The head's (T, H) logits are reduced once, for the objective and the estimate: at H = 2,048 they are most
+    # of the terms, and concatenating them with the candidates would copy them.
+    head_lse = torch.logsumexp(head, dim=1) if num_exact else None
     value = None
     if exact_value and not (estimator == "exact-positive" and drops):  # else the objective is that estimate
-        value = _exact_estimate(head, pos, in_head, neg, log_q, hits, num_samples)
+        value = _exact_estimate(head_lse, pos, in_head, neg, log_q, hits, num_samples)
     neg = neg - (n.log().unsqueeze(1) + log_q)
     if drops:
         neg = neg.masked_fill(hits, -math.inf)
     pos_term = pos_term.masked_fill(in_head, -math.inf)
-    terms = torch.cat([head, pos_term.unsqueeze(1), neg], dim=1)
-    per_token = torch.logsumexp(terms, dim=1) - target
+    log_z = torch.logsumexp(torch.cat([pos_term.unsqueeze(1), neg], dim=1), dim=1)
+    if head_lse is not None:
+        log_z = torch.logaddexp(head_lse, log_z)
+    per_token = log_z - target
     if value is not None:
         # The estimate's value, the objective's gradient: adding a constant leaves the backward untouched.
         per_token = per_token + (value - per_token.detach())
@@ -337,16 +342,18 @@ def _runs_fused(kernels: str, negatives: str, hidden: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def _exact_estimate(head, pos, in_head, neg, log_q, hits, num_draws: int) -> torch.Tensor:
+def _exact_estimate(head_lse, pos, in_head, neg, log_q, hits, num_draws: int) -> torch.Tensor:
     """(T,) float32 estimate of the exact cross-entropy log Z - o_y, Z estimated without bias (no gradient).
 
-    head (T, H), pos (T,) and neg (T, M) or (T, P) are the (capped) logits already computed; log_q their
-    proposal's log-probabilities, (T, M) or (1, P); hits (T, M or P) the draws equal to the label, dropped:
+    head_lse (T,) is the log-sum-exp of the exact head's logits (None without a head); pos (T,) and neg (T, M)
+    or (T, P) are the (capped) logits already computed; log_q their proposal's log-probabilities, (T, M) or
+    (1, P); hits (T, M or P) the draws equal to the label, dropped:
     sum_{j != y} e^o_j / (M q_j) estimates the tail's mass without the label, whose term is added exactly.
     """
     tail = (neg - (math.log(num_draws) + log_q)).masked_fill(hits, -math.inf)
     tail = torch.cat([pos.masked_fill(in_head, -math.inf).unsqueeze(1), tail], dim=1)
-    return torch.logaddexp(torch.logsumexp(head, dim=1), torch.logsumexp(tail, dim=1)) - pos
+    log_z = torch.logsumexp(tail, dim=1)
+    return (log_z if head_lse is None else torch.logaddexp(head_lse, log_z)) - pos
 
 
 def full_softmax_loss(
