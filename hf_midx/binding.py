@@ -53,9 +53,10 @@ class MidxFusedOutput(ModelOutput):
 
     Attributes:
         loss: float32 scalar, the sampled loss (sum over non-ignored tokens / ``num_items_in_batch``,
-            or their mean), plus the model's auxiliary loss where it adds one.
-        log_probs: float32, log-probability of each label under the sampled softmax (the label and
-            the proposal-corrected negatives), 0 at ignored positions; an estimate, not the exact value.
+            or their mean), plus the model's auxiliary loss where it adds one; its value estimates the exact
+            cross-entropy, its gradient is the sampled objective's (see ``sampled_softmax_loss``).
+        log_probs: float32, each label's log-probability as estimated from the draws (the exact head plus
+            the importance-sampled tail), 0 at ignored positions; an estimate, not the exact value.
         entropy: float32, NaN (not available without the full softmax).
         is_top1: float32, NaN (not available without the full softmax).
         log_sum_sq_probs, mean_logits: None.
