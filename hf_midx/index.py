@@ -6,7 +6,8 @@ Two codebooks of K codewords split the classes into K x K buckets Omega(k1, k2).
 * ``codes``: (V, 2) int64, each class's (k1, k2);
 * ``bucket_counts``: (K, K) int64, |Omega(k1, k2)|;
 * ``order`` (V,) int64 and ``offsets`` (K*K + 1,) int64: the classes sorted by bucket id
-  b = k1 * K + k2 (CSR), so the members of bucket b are ``order[offsets[b]:offsets[b + 1]]``.
+  b = k1 * K + k2 (CSR), so the members of bucket b are ``order[offsets[b]:offsets[b + 1]]``;
+  ``spans`` (K*K, 2) int64 holds each bucket's [offset, size].
 
 Building costs O(V K D iters) (k-means); sampling from the index never touches all V classes.
 """
@@ -144,6 +145,8 @@ class MidxIndex:
         self.bucket_counts = counts.view(k, k)
         self.offsets = torch.zeros(k * k + 1, dtype=torch.long, device=c1.device)
         torch.cumsum(counts, 0, out=self.offsets[1:])
+        # (K*K, 2) [offset, size] per bucket: a uniform draw inside buckets reads both with one gather.
+        self.spans = torch.stack([self.offsets[:-1], counts], dim=1)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -170,29 +173,35 @@ class MidxIndex:
         return quantizers.decode(self.quantizer, codes, self.codebooks)
 
     def draw_members(
-        self, buckets: torch.Tensor, u: torch.Tensor, cum_weights: torch.Tensor | None = None
+        self,
+        buckets: torch.Tensor,
+        u: torch.Tensor,
+        cum_weights: torch.Tensor | None = None,
+        *,
+        ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A class of each given bucket, by inverse CDF over its slice ``order[offsets[b]:offsets[b + 1]]``.
 
         Args:
             buckets: (T, M) int64 non-empty bucket ids b = k1 * K + k2.
-            u: (T, M) float64 uniforms in [0, 1).
+            u: (T, M) float64 uniforms in [0, 1) (53 bits at most: then u * size < size).
             cum_weights: None to draw uniformly inside the bucket; else the classes' cumulative weights
                 in CSR order with a leading 0, (V + 1,) shared by all rows or (T, V + 1) one per row (float64).
+            ids: (V,) int64 ids to return for the classes in CSR order (a sampler's global ids); default ``order``.
         Returns:
             (T, M) int64 class ids.
         """
-        lo, hi = self.offsets[buckets], self.offsets[buckets + 1]
+        ids = self.order if ids is None else ids
         if cum_weights is None:
-            pos = lo + torch.minimum((u * (hi - lo)).long(), hi - lo - 1)
+            span = self.spans[buckets]  # (T, M, 2): [offset, size] of each bucket, one gather
+            return ids[span[..., 0] + (u * span[..., 1]).long()]
+        lo, hi = self.offsets[buckets], self.offsets[buckets + 1]
+        if cum_weights.dim() == 1:
+            base, top = cum_weights[lo], cum_weights[hi]
         else:
-            if cum_weights.dim() == 1:
-                base, top = cum_weights[lo], cum_weights[hi]
-            else:
-                base, top = cum_weights.gather(1, lo), cum_weights.gather(1, hi)
-            pos = torch.searchsorted(cum_weights, base + u * (top - base), right=True) - 1
-            pos = torch.maximum(torch.minimum(pos, hi - 1), lo)
-        return self.order[pos]
+            base, top = cum_weights.gather(1, lo), cum_weights.gather(1, hi)
+        pos = torch.searchsorted(cum_weights, base + u * (top - base), right=True) - 1
+        return ids[torch.maximum(torch.minimum(pos, hi - 1), lo)]
 
     def distortion(self, embeddings: torch.Tensor) -> float:
         """Mean squared quantization error of the indexed (V, D) embeddings."""

@@ -78,8 +78,9 @@ class CounterRNG:
     def _words(self, n: int) -> torch.Tensor:
         """n fresh 64-bit words, (n,) int64; advances the offset by n."""
         key, offset = self._state[0], self._state[1]
-        counter = offset + 1 + torch.arange(n, dtype=torch.int64, device=self.device)
-        words = _mix(key + counter * _GAMMA)
+        # key + (offset + 1 + i) * gamma as two multiply-adds (the op count of a step is what a GPU pays).
+        start = torch.add(key, offset, alpha=_GAMMA)
+        words = _mix(torch.add(start, torch.arange(1, n + 1, dtype=torch.int64, device=self.device), alpha=_GAMMA))
         self._state[1:].add_(n)
         return words
 

@@ -13,7 +13,6 @@ import pytest
 import safetensors.torch
 import torch
 
-from hf_midx.rng import CounterRNG
 from hf_midx import SAMPLERS, build_sampler, kl_to_softmax, quantizers
 from hf_midx.samplers import Sampler
 
@@ -171,10 +170,6 @@ def test_midx_never_draws_an_empty_bucket(name, make_clustered):
     s = build_sampler(name, emb, codebook_size=16)
     counts = s.index.bucket_counts.flatten()
     assert int((counts == 0).sum()) > 100  # the case is really exercised
-    _, _, _, e2, p1, psi = s._proposal(queries.float())
-    for m in (5000, 4):  # the one-search path (M > K/2) and the two-stage path
-        buckets = s._draw_buckets(e2, p1, psi, m, CounterRNG(0))
-        assert bool((counts[buckets] > 0).all())
     ids, log_q = s.sample(queries, 5000)
     assert bool(torch.isfinite(log_q).all())
     # Each drawn class sits in a non-empty bucket (its own), and the pool path behaves the same.
@@ -442,19 +437,3 @@ def test_draw_scored_equals_draw_then_score(name, options, problem):
     torch.testing.assert_close(log_qbar, log_qbar2)
     torch.testing.assert_close(log_qbar_labels, smp.score_shared(q, labels[:, 0], row_weights=weights))
     assert log_qbar_labels[0] == -math.inf
-
-
-@pytest.mark.parametrize("m", [2, 40], ids=["two-stage", "joint"])  # 2M <= K or not (K = 8: 64 buckets)
-def test_chunked_draws_equal_one_chunk(m, problem, monkeypatch):
-    """Work tensors are split over query chunks to bound memory; the draws do not depend on the split."""
-    from hf_midx import _ops
-
-    smp = _build("midx-rq", problem[0], mix_weight=0.3)
-    q = torch.randn(50, problem[0].shape[1], generator=torch.Generator().manual_seed(2))
-    start = smp.generator.get_state()
-    whole = smp.draw(q, m)
-    monkeypatch.setattr(_ops, "_WORK_ELEMENTS", 64 * 7)  # a few rows per chunk
-    smp.generator.set_state(start)
-    split = smp.draw(q, m)
-    assert torch.equal(whole[0], split[0])
-    torch.testing.assert_close(whole[1], split[1])

@@ -34,6 +34,7 @@ from ..defaults import KMEANS_BACKENDS, LAST_STAGES, MIX_STATICS
 from ..index import MidxIndex
 from ..quantizers import QUANTIZERS
 from ..registry import register
+from ..rng import as_counter_rng
 from .base import Sampler, mixture_log_prob
 from .counts import check_counts, check_unigram_options, unigram_log_table
 
@@ -192,6 +193,8 @@ class MidxQuantizedSampler(MidxSampler):
                 v = self.num_candidates
                 self._log_static = torch.full((v,), -math.log(v), device=self.device)
             self._static_cum = self._log_static.double().exp().cumsum(0)
+            # The (V',) table's total, a Python float (read once here): u * total < total for a 53-bit u.
+            self._static_total = float(self._static_cum[-1])
         self._after_index_change(None)
 
     @classmethod
@@ -208,115 +211,122 @@ class MidxQuantizedSampler(MidxSampler):
             raise ValueError("last_stage='frequency' needs unigram_smoothing > 0 so that every class stays drawable.")
 
     def _after_index_change(self, embeddings: torch.Tensor | None) -> None:
-        """Bucket masses (K, K) float64 and, for the frequency last stage, the CSR cumulative weights."""
-        idx = self.index
+        """The tables a step reads, which change only with the index: the (D, 2K) codebooks as one matrix, the
+        (K*K,) log bucket masses, and per class (V,), in global ids, its bucket, its log share of the bucket
+        (times 1 - a) and its log static probability (times a); an excluded class scores -inf in both."""
+        idx, k = self.index, self.index.codebook_size
+        bucket = idx.codes[:, 0] * k + idx.codes[:, 1]  # (V',)
         if self._log_w is None:
-            self._bucket_mass = idx.bucket_counts.double()
+            mass = idx.bucket_counts.double().flatten()
+            log_member = -mass.log()[bucket]  # uniform inside the bucket: 1 / |Omega|
             self._cum_w = None
         else:
             w = self._log_w.double().exp()
-            k = idx.codebook_size
-            bucket = idx.codes[:, 0] * k + idx.codes[:, 1]
             mass = torch.zeros(k * k, dtype=torch.float64, device=self.device).index_add_(0, bucket, w)
-            self._bucket_mass = mass.view(k, k)
+            log_member = self._log_w.double() - mass.log()[bucket]
             # cum_w[j] = total weight of order[:j]: a bucket's members order[lo:hi] span [cum_w[lo], cum_w[hi]).
             self._cum_w = torch.cat([w.new_zeros(1), w[idx.order].cumsum(0)])
-        # Per-step work reads these; they change only with the index.
-        self._unused_k2 = self._bucket_mass.sum(0) == 0  # (K,) second-level codewords without classes
-        self._bucket_mass_f32 = self._bucket_mass.float()
+        self._log_mass = mass.log().float()  # -inf for an empty bucket, which is never drawn
+        d1, d2 = idx.dim_slices(self.dim)
+        c1, c2 = idx.codebooks
+        codewords = torch.zeros(self.dim, 2 * k, device=self.device)  # s = z @ codewords = [z1 . c1, z2 . c2]
+        codewords[d1, :k], codewords[d2, k:] = c1.t(), c2.t()
+        self._codewords = codewords
+        a = self.mix_weight
+        self._class_bucket = self._globalize(bucket, 0)
+        self._class_log_member = self._globalize(log_member.float() + math.log1p(-a), -math.inf)
+        self._class_log_static = None
+        if self._log_static is not None:
+            self._class_log_static = self._globalize(self._log_static + math.log(a), -math.inf)
+        self._order = self._to_global(idx.order)  # the classes in CSR order, as global ids
 
-    # -- the proposal
-    def codeword_scores(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """s1 = z1 . c1 (T, K), s2 = z2 . c2 (T, K) float32 and log Z (T,) float32 of the MIDX component."""
-        s1, s2, log_z, *_ = self._proposal(q)
-        return s1, s2, log_z
-
-    def _proposal(self, q: torch.Tensor):
-        """The per-query quantities of Eq. midx_uni, without any T x K x K tensor.
-
-        With psi(k1) = sum_k2 W(k1,k2) exp(s2[k2]) (one (T,K) x (K,K) matmul; W = |Omega| or the summed
-        frequency weights), Z = sum_k1 exp(s1[k1]) psi(k1) and P1(k1) = exp(s1[k1]) psi(k1) / Z.
-        Returns s1, s2 (T, K) float32; log Z (T,) float32; and, float64 (T, K), e2 = exp(s2 - m2),
-        P1 and psi / exp(m2), so that P(k1, k2) = P1(k1) W(k1,k2) e2[k2] / psi[k1]. m2 is the
-        row's largest s2 over codewords that hold classes: psi > 0 for some k1 in every row, and
-        float64 loses only buckets more than ~700 nats below the best.
-        """
-        s1, s2 = self._codeword_scores(q)
-        s2_used = s2.masked_fill(self._unused_k2, -math.inf)  # a codeword without classes must not overflow e2
-        m2 = s2_used.amax(1, keepdim=True)
-        e2 = (s2_used - m2).double().exp()
-        psi = e2 @ self._bucket_mass.t()
-        logits1 = s1.double() + psi.log() + m2.double()  # -inf for codewords k1 with no class
-        log_z = torch.logsumexp(logits1, dim=1, keepdim=True)
-        return s1, s2, log_z.squeeze(1).float(), e2, (logits1 - log_z).exp(), psi
-
-    def _draw_buckets(self, e2: torch.Tensor, p1: torch.Tensor, psi: torch.Tensor, m: int, gen) -> torch.Tensor:
-        """(T, M) bucket ids b = k1*K + k2 drawn with probability P1(k1) P2(k2 | k1).
-
-        Inverse-CDF draws, whichever is cheaper for M: k1 from P1 and then k2 from
-        P2(. | k1) proportional to W(k1,k2) e2[k2], O(M K) per query (the paper's two stages);
-        or, for M > K/2, one search per draw over the K*K buckets laid out in (k1, k2) order, which is
-        the same two-stage draw at O(K^2) per query whatever M is. Empty buckets have weight 0 and are
-        never drawn.
-        """
-        k = e2.shape[1]
-        out = torch.empty(e2.shape[0], m, dtype=torch.long, device=e2.device)
-        if 2 * m <= k:
-            k1 = gen.categorical(p1, m)
-            for rows in row_chunks(e2.shape[0], m * k):
-                w2 = self._bucket_mass[k1[rows]] * e2[rows].unsqueeze(1)  # (c, M, K)
-                out[rows] = k1[rows] * k + gen.categorical(w2, 1).squeeze(-1)
-            return out
-        r = torch.where(psi > 0, p1 / psi, torch.zeros_like(psi)).float()
-        for rows in row_chunks(e2.shape[0], k * k):
-            # (c, K, K) bucket probabilities, float32 (a bucket below e^-87 of the total is never drawn).
-            joint = r[rows].unsqueeze(2) * self._bucket_mass_f32.unsqueeze(0) * e2[rows].float().unsqueeze(1)
-            out[rows] = gen.categorical(joint.view(-1, k * k), m)
+    def _globalize(self, local: torch.Tensor, fill: float) -> torch.Tensor:
+        """A (V,) table of per-class values from the (V',) candidates' ones, ``fill`` for the excluded classes."""
+        if self.candidates is None:
+            return local
+        out = torch.full((self.num_classes,), fill, dtype=local.dtype, device=self.device)
+        out[self.candidates] = local
         return out
 
-    def _log_q(self, s1, s2, log_z, ids) -> torch.Tensor:
-        """log Q of (T, N) local ids from the codeword scores: the MIDX component, mixed with the static one."""
-        codes = self.index.codes[ids]  # (..., 2)
-        out = s1.gather(1, codes[..., 0]) + s2.gather(1, codes[..., 1]) - log_z.unsqueeze(1)
-        return self._mixed(out if self._log_w is None else out + self._log_w[ids], ids)
+    # -- the proposal
+    def _scores(self, q: torch.Tensor):
+        """Eq. midx_uni per query over the K*K buckets, without any T x V tensor.
+
+        Returns s (T, 2K) float32 = [z1 . c1, z2 . c2]; the bucket logits joint (T, K*K) float32 =
+        s1[k1] + s2[k2] + log W(k1, k2) (W = |Omega| or the summed frequency weights; -inf for an empty
+        bucket); log Z (T, 1) float32; and the buckets' cumulative weights (T, K*K) float64, relative to
+        the row's largest bucket, for the inverse-CDF draw (a bucket below e^-87 of it is never drawn).
+        """
+        k = self.index.codebook_size
+        s = q @ self._codewords
+        joint = (s[:, :k].unsqueeze(2) + s[:, k:].unsqueeze(1)).view(-1, k * k) + self._log_mass
+        top = joint.amax(1, keepdim=True)
+        cum = (joint - top).exp().cumsum(1, dtype=torch.float64)
+        return s, joint, cum[:, -1:].float().log() + top, cum
+
+    def codeword_scores(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """s1 = z1 . c1 (T, K), s2 = z2 . c2 (T, K) float32 and log Z (T,) float32 of the MIDX component."""
+        s, _, log_z, _ = self._scores(q)
+        k = self.index.codebook_size
+        return s[:, :k], s[:, k:], log_z.squeeze(1)
+
+    def _draw(self, q: torch.Tensor, m: int, gen, ids: torch.Tensor | None):
+        """(T, M) global draws, their log Q (T, M), and log Q of (T, N) global ``ids`` (None for None).
+
+        One proposal evaluation and one call of the generator per step: its (4, T, M) uniforms pick the
+        bucket (inverse CDF over the K*K buckets: the two-stage P1(k1) P2(k2 | k1) draw in one search), the
+        class inside it, the static component's class and which of the two each draw keeps (both drawn:
+        no host sync). A uniform u of 53 bits gives u * total < total, so no zero-weight entry is drawn.
+        """
+        _, joint, log_z, cum = self._scores(q)
+        u = gen.rand(2 if self._log_static is None else 4, q.shape[0], m, dtype=torch.float64)
+        # The clamp only matters for NaN queries (searchsorted then returns K*K): an index in range lets the
+        # caller say which tensor went NaN.
+        bucket = torch.searchsorted(cum, u[0] * cum[:, -1:], right=True).clamp_max(cum.shape[1] - 1)
+        draws = self.index.draw_members(bucket, u[1], self._cum_w, ids=self._order)
+        if self._log_static is not None:
+            static = torch.searchsorted(self._static_cum, u[2] * self._static_total, right=True)
+            draws = torch.where(u[3] < self.mix_weight, self._to_global(static), draws)
+        both = draws if ids is None else torch.cat([ids, draws], dim=1)
+        log_q = self._log_q(joint, log_z, both)
+        if ids is None:
+            return draws, log_q, None
+        return draws, log_q[:, ids.shape[1] :], log_q[:, : ids.shape[1]]
+
+    def _log_q(self, joint: torch.Tensor, log_z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """log Q of (T, N) global ids from the bucket logits: the MIDX component, mixed with the static one."""
+        out = joint.gather(1, self._class_bucket[ids]) - log_z + self._class_log_member[ids]
+        return self._mixed(out, ids)
 
     def _mixed(self, log_q_midx: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self._log_static is None:
-            return log_q_midx
-        a = self.mix_weight
-        return torch.logaddexp(log_q_midx + math.log1p(-a), self._log_static[ids] + math.log(a))
+        """logaddexp of the (already weighted) MIDX and static components of global ``ids``."""
+        return log_q_midx if self._class_log_static is None else torch.logaddexp(log_q_midx, self._class_log_static[ids])
 
-    def _sample(self, q, m, gen):
-        draws, log_q, _ = self._sample_scored(q, m, gen, None)
+    # The hot path in global ids (the tables hold the excluded classes as -inf), the hooks in local ones.
+    def draw(self, queries, num_samples, generator=None):
+        draws, log_q, _ = self._draw(self._queries(queries), num_samples, as_counter_rng(generator, self.generator), None)
         return draws, log_q
 
-    def _sample_scored(self, q, m, gen, ids):
-        # One proposal for the draws and the scored ids.
-        s1, s2, log_z, e2, p1, psi = self._proposal(q)
-        buckets = self._draw_buckets(e2, p1, psi, m, gen)
-        draws = self.index.draw_members(buckets, gen.rand(*buckets.shape, dtype=torch.float64), self._cum_w)
-        if self._log_static is not None:
-            # Each draw comes from the static component with probability a (both drawn, one kept: no sync).
-            static = gen.categorical(self._static_cum, m, cumulative=True, rows=q.shape[0])
-            draws = torch.where(gen.rand(*draws.shape) < self.mix_weight, static, draws)
-        log_q_ids = None if ids is None else self._log_q(s1, s2, log_z, ids)
-        return draws, self._log_q(s1, s2, log_z, draws), log_q_ids
+    def draw_scored(self, queries, num_samples, ids, generator=None):
+        gen = as_counter_rng(generator, self.generator)
+        return self._draw(self._queries(queries), num_samples, gen, ids.to(self.device))
+
+    def _sample(self, q, m, gen):
+        draws, log_q, _ = self._draw(q, m, gen, None)
+        return self._local(draws)[0], log_q
 
     def _log_prob(self, q, ids):
-        return self._log_q(*self.codeword_scores(q), ids)
+        _, joint, log_z, _ = self._scores(q)
+        return self._log_q(joint, log_z, self._to_global(ids))
 
     def _log_prob_shared(self, q, ids, log_w):
-        # qbar(i) = sum_t w_t Q(i | z_t): T x N gathers from the T x K scores, chunked over queries.
-        s1, s2, log_z = self.codeword_scores(q)
-        codes = self.index.codes[ids]
-        out = mixture_log_prob(
-            lambda rows: s1[rows][:, codes[:, 0]] + s2[rows][:, codes[:, 1]] - log_z[rows].unsqueeze(1),
-            q.shape[0],
-            ids.shape[0],
-            log_w,
-        )
-        # The last-stage weight and the static component are the same for every query: outside the sum over t.
-        return self._mixed(out if self._log_w is None else out + self._log_w[ids], ids)
+        # qbar(i) = sum_t w_t Q(i | z_t): T x N gathers from the T x K*K bucket logits, chunked over queries.
+        _, joint, log_z, _ = self._scores(q)
+        ids = self._to_global(ids)
+        bucket = self._class_bucket[ids]
+        out = mixture_log_prob(lambda rows: joint[rows][:, bucket] - log_z[rows], q.shape[0], ids.shape[0], log_w)
+        # The last-stage share and the static component are the same for every query: outside the sum over t.
+        return self._mixed(out + self._class_log_member[ids], ids)
 
 
 @register

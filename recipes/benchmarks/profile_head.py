@@ -6,10 +6,16 @@ step ``bench_head.py`` times as ``midx-default``. After warm-up steps, ``--steps
 (CPU, plus CUDA on a GPU), and the ops are listed by self time. Writes ``OUT/profile_head.md`` and
 ``OUT/profile_head.json``.
 
-Run: ``python recipes/benchmarks/profile_head.py --out bench-out [--device cuda] [--model gemma3-270m]``.
+``--count`` counts instead what one step launches: :func:`count_ops`, the ATen leaf ops of the profiler's
+tree less views and allocations (about one kernel launch each on a GPU), by hf_midx function; on the CPU
+this is the figure of issue 36 (at most 120, the same at every T).
+
+Run: ``python recipes/benchmarks/profile_head.py --out bench-out [--device cuda] [--model gemma3-270m] [--count]``.
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 
@@ -22,6 +28,55 @@ else:  # run as a file: this folder is first on sys.path
 
 NAME = "profile_head"
 
+#: Ops that launch no kernel: views, allocations, and the conversions that return their input (a real
+#: conversion's copy is its child ``copy_``, which counts). Decided once for every op count of the project.
+FREE_OPS = frozenset({
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "resize_", "view", "reshape",
+    "_reshape_alias", "as_strided", "expand", "expand_as", "detach", "detach_", "alias", "_unsafe_view", "t",
+    "transpose", "unsqueeze", "squeeze", "select", "slice", "permute", "narrow", "view_as", "lift_fresh", "unbind",
+    "split", "split_with_sizes", "chunk", "diagonal", "unfold", "to", "_to_copy", "contiguous", "resolve_conj",
+    "resolve_neg",
+})
+
+
+def count_ops(step, package: str = "hf_midx/") -> list[tuple[str, str]]:
+    """The ATen ops one call of ``step()`` runs, as (op, where) pairs: the leaves of the profiler's op tree
+    once the :data:`FREE_OPS` are taken out, so that no op hides inside another (``matmul`` counts as its
+    ``mm``, ``logsumexp`` as the ops it runs); ``where`` is the innermost function of ``package`` on the
+    Python stack ("file(line): function"), "autograd" for the ops of torch's own backward formulas."""
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, with_stack=True) as prof:
+        step()
+    ops = []
+
+    def walk(node, where) -> bool:  # True when node or one of its descendants counted
+        if node.tag.name == "PyCall" and package in node.name:
+            where = node.name.split(package, 1)[1]
+        counted = False
+        for child in node.children:
+            counted |= walk(child, where)
+        if not counted and node.tag.name == "TorchOp" and node.name.startswith("aten::"):
+            if node.name[6:] not in FREE_OPS:
+                ops.append((node.name[6:], where))
+                return True
+        return counted
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, "autograd")
+    return ops
+
+
+def count_table(ops: list[tuple[str, str]]) -> str:
+    """A markdown table of :func:`count_ops`'s pairs by function, with each function's ops."""
+    rows = collections.defaultdict(collections.Counter)
+    for op, where in ops:
+        rows[where][op] += 1
+    lines = ["| where | ops | which |", "|:--|--:|:--|"]
+    for where, c in sorted(rows.items(), key=lambda kv: -sum(kv[1].values())):
+        which = ", ".join(f"{op} {n}" if n > 1 else op for op, n in c.most_common())
+        lines.append(f"| {where} | {sum(c.values())} | {which} |")
+    return "\n".join(lines + [f"| total | {len(ops)} | |"])
+
 
 def parse_args(argv=None):
     p = common.base_parser(__doc__.splitlines()[0])
@@ -29,6 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=None, help="T (default 8192 on a GPU, 2048 on CPU)")
     p.add_argument("--steps", type=int, default=5, help="profiled steps")
     p.add_argument("--top", type=int, default=20, help="ops listed")
+    p.add_argument("--count", action="store_true", help="count the ATen ops of one step (count_ops) instead")
     return common.parse(p, argv)
 
 
@@ -58,6 +114,12 @@ def main(argv=None) -> dict:
     for _ in range(3):
         step()
     common.sync(device)
+    if args.count:
+        ops = count_ops(step)
+        md = common.report("ATen ops of one sampled-head step (forward + backward), less views and allocations", env,
+                           settings, count_table(ops))
+        by_function = collections.Counter(where for _, where in ops)
+        return common.finish(args, NAME, env, settings, md, op_count=len(ops), ops_by_function=dict(by_function))
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
