@@ -1,6 +1,8 @@
-"""The eager candidate logits of the sampled softmax: per-token rows and rows every token scores.
+"""The eager sampled softmax: the candidate logits (per-token rows and rows every token scores) and the loss
+from them, each one autograd Function whose backward is a few whole-tensor ops (the op count of a step is
+what a GPU pays: about one kernel launch an op).
 
-Shapes: T tokens, D hidden dims, V classes, R candidate rows per token, C common rows.
+Shapes: T tokens, D hidden dims, V classes, R candidate rows per token, C common rows, H exact-head rows.
 """
 
 from __future__ import annotations
@@ -8,9 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Bytes of one (chunk, R, D) gather of candidate embeddings in the forward: bounds its memory, and
-# keeps the chunks few (16 at T = 8192, M = 100, D = 640 in bf16), since each costs kernel launches.
-GATHER_BYTES = 64 << 20
+# Bytes of one (chunk, R, D) gather of candidate embeddings in the forward: bounds its memory, and keeps the
+# chunks few, since each costs kernel launches: one at the Gemma-3-270M shape (T = 8192, M = 20, D = 640:
+# 440 MB in float32), 3 at D = 4096 in bf16.
+GATHER_BYTES = 512 << 20
 
 
 class CandidateLogits(torch.autograd.Function):
@@ -28,17 +31,23 @@ class CandidateLogits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, rows, common, chunk):
-        ctx.save_for_backward(hidden, weight, rows, common)
-        out = torch.empty(rows.shape, device=hidden.device, dtype=torch.float32)
-        for s in range(0, rows.shape[0], chunk):
-            w = weight.index_select(0, rows[s : s + chunk].reshape(-1)).view(-1, rows.shape[1], weight.shape[1])
-            out[s : s + chunk] = torch.bmm(w, hidden[s : s + chunk].unsqueeze(2)).squeeze(2).float()
-        shared = (hidden @ weight[common].t()).float()  # (T, C): one GEMM
-        return out, shared
+        def gathered(part: slice) -> torch.Tensor:  # (chunk, R) float32
+            w = weight.index_select(0, rows[part].reshape(-1)).view(-1, rows.shape[1], weight.shape[1])
+            return torch.bmm(w, hidden[part].unsqueeze(2)).squeeze(2).float()
+
+        if chunk >= rows.shape[0]:
+            out = gathered(slice(None))
+        else:
+            out = torch.empty(rows.shape, device=hidden.device, dtype=torch.float32)
+            for s in range(0, rows.shape[0], chunk):
+                out[s : s + chunk] = gathered(slice(s, s + chunk))
+        common_rows = weight[common]  # (C, D), kept for the backward
+        ctx.save_for_backward(hidden, weight, rows, common, common_rows)
+        return out, (hidden @ common_rows.t()).float()  # (T, C): one GEMM
 
     @staticmethod
     def backward(ctx, grad_out, grad_shared):
-        hidden, weight, rows, common = ctx.saved_tensors
+        hidden, weight, rows, common, common_rows = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = grad_weight = None
         g = grad_out.to(weight.dtype)  # (T, R)
@@ -59,7 +68,7 @@ class CandidateLogits(torch.autograd.Function):
         if common.shape[0]:
             gs = grad_shared.to(weight.dtype)  # (T, C)
             if need_h:
-                grad_hidden = grad_hidden + (gs @ weight[common]).to(hidden.dtype)
+                grad_hidden = grad_hidden + (gs @ common_rows).to(hidden.dtype)
             if need_w:
                 grad_weight.index_add_(0, common, gs.t() @ hidden.to(weight.dtype))
         return grad_hidden, grad_weight, None, None, None
@@ -72,3 +81,66 @@ def candidate_logits(
     and ``common`` (C,) int64, differentiable in ``hidden`` and ``weight`` (see :class:`CandidateLogits`)."""
     chunk = max(1, GATHER_BYTES // (rows.shape[1] * hidden.shape[1] * weight.element_size()))
     return CandidateLogits.apply(hidden, weight, rows, common, chunk)
+
+
+class SampledSoftmaxTerms(torch.autograd.Function):
+    """Per-token loss logsumexp([head, cand + adj]) - (cand[:, 0] + target_adj), 0 at ignored tokens.
+
+    Its gradient is softmax(terms) minus 1 at the target (the label, always ``cand[:, 0]``), scaled by the
+    upstream gradient: the forward keeps the exponentials, the backward is four products. With ``value_adj``
+    the value returned is instead logsumexp([head, cand + value_adj]) - cand[:, 0] (the exact-loss estimate
+    of :mod:`hf_midx.loss`), with the same gradient: what is optimized does not change.
+    """
+
+    @staticmethod
+    def forward(ctx, head, cand, adj, target_adj, value_adj, valid):
+        terms = cand + adj
+        top = terms.amax(1)
+        if head.shape[1]:
+            top = torch.maximum(top, head.amax(1))
+        top = top.unsqueeze(1)  # every exponential below 1: no overflow
+        e = (terms - top).exp()
+        total = e.sum(1)
+        e_head = None
+        if head.shape[1]:
+            e_head = (head - top).exp()
+            head_total = e_head.sum(1)
+            total = total + head_total
+        if value_adj is None:
+            target = cand[:, 0] if target_adj is None else cand[:, 0] + target_adj
+            out = total.log() + top.squeeze(1) - target
+        else:
+            # Terms within log(n q_y) <= log(M + 1) of the objective's, so exp(terms - top) stays small too.
+            est = ((cand + value_adj) - top).exp().sum(1)
+            out = (est if e_head is None else est + head_total).log() + top.squeeze(1) - cand[:, 0]
+        kept = valid.float()
+        ctx.save_for_backward(e, e_head, kept / total, kept)
+        return out.where(valid, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        e, e_head, scale, kept = ctx.saved_tensors
+        g = (grad * scale).unsqueeze(1)
+        grad_cand = e * g
+        grad_cand[:, 0] -= grad * kept
+        return None if e_head is None else e_head * g, grad_cand, None, None, None, None
+
+
+def sampled_softmax_terms(
+    head: torch.Tensor,
+    cand: torch.Tensor,
+    adj: torch.Tensor,
+    target_adj: torch.Tensor | None,
+    value_adj: torch.Tensor | None,
+    valid: torch.Tensor,
+) -> torch.Tensor:
+    """(T,) float32 per-token sampled-softmax losses (see :class:`SampledSoftmaxTerms`).
+
+    Args:
+        head: (T, H) float32 logits scored exactly (H may be 0); cand: (T, R) float32 candidate logits, the
+            label's first; adj: (T, R) float32 their corrections (-log(n q), -inf for a dropped term).
+        target_adj: (T,) float32 correction of the label's logit in the target, or None for none.
+        value_adj: (T, R) float32 corrections of the value's terms, or None: the value is the objective.
+        valid: (T,) bool, False at ignored tokens (loss and gradient 0).
+    """
+    return SampledSoftmaxTerms.apply(head, cand, adj, target_adj, value_adj, valid)

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from . import defaults
 from ._checks import check_ids, check_matrix, check_positive_int
 from ._ops import soft_cap
-from .candidate_logits import candidate_logits
+from .candidate_logits import candidate_logits, sampled_softmax_terms
 from .defaults import ESTIMATORS, KERNEL_MODES, NEGATIVE_MODES  # noqa: F401 (the label's logit; the negatives)
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -75,10 +75,11 @@ def _validate(hidden, weight, labels, bias, ignore_index, reduction, check_label
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}.")
 
 
-def _labels_in_range(labels: torch.Tensor, valid: torch.Tensor, num_classes: int) -> None:
-    """A device-side assertion: fails the step (at the next sync) instead of reading labels back now."""
-    ok = ~valid | ((labels >= 0) & (labels < num_classes))
-    torch._assert_async(ok.all(), f"labels outside [0, {num_classes}) reached the MIDX loss")
+def _labels_in_range(labels: torch.Tensor, num_classes: int) -> None:
+    """A device-side assertion on (T,) labels (ignored ones already replaced by a class): fails the step (at the
+    next sync) instead of reading labels back now."""
+    ok = (labels.clamp(0, num_classes - 1) == labels).all()
+    torch._assert_async(ok, f"labels outside [0, {num_classes}) reached the MIDX loss")
 
 
 def _reduce(per_token: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -212,10 +213,10 @@ def sampled_softmax_loss(
     device = hidden.device
     fused = _runs_fused(kernels, negatives, hidden)  # before the draws: a refused "fused" draws nothing
     valid = labels != ignore_index
-    if not check_labels:
-        _labels_in_range(labels, valid, weight.shape[0])
     # Ignored tokens get label 0: they are scored like any token, then masked out of the reduction.
-    y = torch.where(valid, labels, torch.zeros_like(labels)).long()
+    y = labels.masked_fill(~valid, 0).long()
+    if not check_labels:
+        _labels_in_range(y, weight.shape[0])
     queries = hidden.detach().float()
     common = (
         torch.empty(0, dtype=torch.long, device=device)
@@ -252,6 +253,7 @@ def sampled_softmax_loss(
             )
         else:
             pool, log_qbar = sampler.draw_shared(queries, num_samples, row_weights=valid.float(), generator=generator)
+            log_q_pos = None
         rows = y.unsqueeze(1)
         common = torch.cat([common, pool])
         log_q = log_qbar.unsqueeze(0)  # (1, P)
@@ -262,45 +264,41 @@ def sampled_softmax_loss(
         common_logits = common_logits + bias[common].float()
     tok_logits = soft_cap(tok_logits, logit_softcap)
     common_logits = soft_cap(common_logits, logit_softcap)
-    pos = tok_logits[:, 0]
-    neg = tok_logits[:, 1:] if negatives == "per-query" else common_logits[:, num_exact:]
-    head = common_logits[:, :num_exact]  # (T, H)
+    head = common_logits[:, :num_exact] if negatives == "shared" else common_logits  # (T, H)
+    cand = tok_logits if negatives == "per-query" else torch.cat([tok_logits, common_logits[:, num_exact:]], dim=1)
 
-    # A label inside the exact head is already one of the head's terms. A binary search of the sorted head:
-    # torch.isin of a large head sorts and takes unique values, a device sync on CUDA.
-    if num_exact:
+    # A label inside the exact head is already one of the head's terms. The sampler scores exactly the head -inf
+    # (exact_ids is its excluded set, checked above); else a binary search of the sorted head (torch.isin of a
+    # large head sorts and takes unique values, a device sync on CUDA).
+    if corrected:
+        in_head = log_q_pos == -math.inf
+    elif num_exact:
         head_ids = excluded.to(device)
         in_head = head_ids[torch.searchsorted(head_ids, y).clamp_max(num_exact - 1)] == y
     else:
         in_head = torch.zeros_like(valid)
-    n = torch.full(y.shape, float(num_samples), device=device)
+    # The corrections -log(n q) of the candidates (T, 1 + M), the label's first: n = M, plus the label with the
+    # corrected positive when it is not in the head. A label the proposal cannot draw (log q = -inf, e.g. in H)
+    # keeps its exact logit (0); inside H its term is dropped (-inf), the head holds it.
     if corrected:
-        n = n + (~in_head).float()
-        pos_term = pos - (n.log() + log_q_pos)
-        # A label the proposal cannot draw (log q = -inf, e.g. inside H) keeps its exact logit.
-        pos_term = torch.where(torch.isfinite(log_q_pos), pos_term, pos)
-        target = torch.where(in_head, pos, pos_term)
+        minus_log_n = torch.where(in_head, -math.log(num_samples), -math.log(num_samples + 1))
+        target_adj = (minus_log_n - log_q_pos).nan_to_num(posinf=0.0)
+        neg_adj = minus_log_n.unsqueeze(1) - log_q
     else:
-        pos_term = pos
-        target = pos
-    # The head's (T, H) logits are reduced once, for the objective and the estimate: at H = 2,048 they are most
-    # of the terms, and concatenating them with the candidates would copy them.
-    head_lse = torch.logsumexp(head, dim=1) if num_exact else None
-    value = None
+        target_adj, neg_adj = None, -(math.log(num_samples) + log_q)
+    if target_adj is None:
+        pos_adj = torch.zeros(y.shape, device=device).masked_fill(in_head, -math.inf)
+    else:
+        pos_adj = target_adj.masked_fill(in_head, -math.inf)
+    neg_adj = neg_adj.masked_fill(hits, -math.inf) if drops else neg_adj
+    adj = torch.cat([pos_adj.unsqueeze(1), neg_adj.expand(cand.shape[0], -1)], dim=1)  # (T, R)
+    value_adj = None
     if exact_value and not (estimator == "exact-positive" and drops):  # else the objective is that estimate
-        value = _exact_estimate(head_lse, pos, in_head, neg, log_q, hits, num_samples)
-    neg = neg - (n.log().unsqueeze(1) + log_q)
-    if drops:
-        neg = neg.masked_fill(hits, -math.inf)
-    pos_term = pos_term.masked_fill(in_head, -math.inf)
-    log_z = torch.logsumexp(torch.cat([pos_term.unsqueeze(1), neg], dim=1), dim=1)
-    if head_lse is not None:
-        log_z = torch.logaddexp(head_lse, log_z)
-    per_token = log_z - target
-    if value is not None:
-        # The estimate's value, the objective's gradient: adding a constant leaves the backward untouched.
-        per_token = per_token + (value - per_token.detach())
-    per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
+        # The exact-loss estimate: the label exactly, M draws corrected by log M + log q, hits dropped (no gradient).
+        pos_value = pos_adj if target_adj is None else pos_adj - target_adj  # 0, or -inf inside H
+        tail = torch.rsub(log_q, -math.log(num_samples)).masked_fill(hits, -math.inf)
+        value_adj = torch.cat([pos_value.unsqueeze(1), tail], dim=1)
+    per_token = sampled_softmax_terms(head, cand, adj, target_adj, value_adj, valid)
     return _reduce(per_token, valid, reduction)
 
 
@@ -341,21 +339,6 @@ def _runs_fused(kernels: str, negatives: str, hidden: torch.Tensor) -> bool:
     return True
 
 
-@torch.no_grad()
-def _exact_estimate(head_lse, pos, in_head, neg, log_q, hits, num_draws: int) -> torch.Tensor:
-    """(T,) float32 estimate of the exact cross-entropy log Z - o_y, Z estimated without bias (no gradient).
-
-    head_lse (T,) is the log-sum-exp of the exact head's logits (None without a head); pos (T,) and neg (T, M)
-    or (T, P) are the (capped) logits already computed; log_q their proposal's log-probabilities, (T, M) or
-    (1, P); hits (T, M or P) the draws equal to the label, dropped:
-    sum_{j != y} e^o_j / (M q_j) estimates the tail's mass without the label, whose term is added exactly.
-    """
-    tail = (neg - (math.log(num_draws) + log_q)).masked_fill(hits, -math.inf)
-    tail = torch.cat([pos.masked_fill(in_head, -math.inf).unsqueeze(1), tail], dim=1)
-    log_z = torch.logsumexp(tail, dim=1)
-    return (log_z if head_lse is None else torch.logaddexp(head_lse, log_z)) - pos
-
-
 def full_softmax_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -383,7 +366,7 @@ def full_softmax_loss(
     """
     _validate(hidden, weight, labels, bias, ignore_index, reduction, check_labels)
     if not check_labels:
-        _labels_in_range(labels, labels != ignore_index, weight.shape[0])
+        _labels_in_range(labels.masked_fill(labels == ignore_index, 0), weight.shape[0])
     labels = labels.long()  # cross_entropy (and the chunked path) need int64 targets; int32 ids are common
     if logit_softcap is None and hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
         # float32 inputs: torch reduces inside its chunked kernel ("sum": no per-token backward

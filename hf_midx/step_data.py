@@ -1,9 +1,10 @@
 """StepData: what a MidxLMHead's training calls leave for the callback, kept on the device.
 
-Per sampled call the head records, without any device-to-host synchronization: ``queries`` (hidden
-states for the KL and the learned codebooks), the last batch (for one exact loss) and the first call
-whose hidden states or loss were not finite. :class:`~hf_midx.MidxCallback` reads them at logging,
-save and refresh steps, where the Trainer syncs anyway.
+Per sampled call the head records, without any device-to-host synchronization and in a handful of ops
+(the hidden states are not scanned per call): the last batch (for one exact loss and the queries) and
+the first call whose loss was not finite. :class:`~hf_midx.MidxCallback` reads them at logging, save
+and refresh steps, where the Trainer syncs anyway; what costs more (the queries, the tensor a NaN came
+from) is worked out there, from the kept last batch.
 
 Shapes: T tokens, D hidden dims, k = ``kl_queries``.
 """
@@ -20,10 +21,7 @@ class StepData:
     """The per-call training data of one head, for the callback; no field is read back per call.
 
     Attributes:
-        kl_queries: k, how many hidden states :meth:`record` keeps per call.
-        queries: (min(k, T), D) float32, detached: hidden states of the last recorded call, evenly spaced
-            over its non-ignored tokens (repeated when fewer than k; any tokens when none is
-            non-ignored); or None. Chosen on the device, without reading the labels back.
+        kl_queries: k, how many hidden states :attr:`queries` keeps of the last call.
         last_batch: (hidden (T, D), shifted labels (T,), ignore_index) of the last recorded call, or None.
         call_counter: 0-dim int64 tensor on the head's device, the number of recorded calls since
             :meth:`clear` (None before the first); a tensor, so that counting neither syncs nor makes
@@ -38,11 +36,13 @@ class StepData:
         self.clear()
 
     def clear(self) -> None:
-        """Forget the kept queries, batch, counter and finiteness record (not :attr:`scheduled`)."""
-        self.queries: torch.Tensor | None = None
+        """Forget the kept batch, counters and finiteness record (not :attr:`scheduled`)."""
         self.last_batch: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self.call_counter: torch.Tensor | None = None
-        self._first_bad: torch.Tensor | None = None  # (2,) int64: [call index or -1, cause code]
+        # 0 * (every loss so far): 0 until the first non-finite loss, NaN from then on; and the calls before that.
+        self._loss_flag: torch.Tensor | None = None
+        self._finite_calls: torch.Tensor | None = None
+        self._queries: torch.Tensor | None = None
 
     @property
     def calls(self) -> int:
@@ -51,49 +51,61 @@ class StepData:
 
     @torch.no_grad()
     def record(self, h: torch.Tensor, y: torch.Tensor, ignore_index: int, loss: torch.Tensor) -> None:
-        """Keep one call's queries, batch and finiteness on the device: no host sync, static shapes.
+        """Keep one call's batch and the finiteness of its loss on the device: no host sync, four small ops.
 
         Args:
-            h: (T, D) hidden states in the weight's dtype (before any logit scale); detached here.
+            h: (T, D) hidden states in the weight's dtype (before any logit scale); kept detached, not copied.
             y: (T,) int64 shifted labels.
             ignore_index: the label value that marks ignored tokens.
             loss: the call's loss (any shape), checked for NaN/Inf.
         """
-        h = h.detach()
-        valid = y != ignore_index
-        count = valid.sum()
-        # No token counts: choose among all tokens (their hidden states are still the model's).
-        valid = valid | (count == 0)
-        count = torch.where(count == 0, torch.full_like(count, y.shape[0]), count)
-        k = min(self.kl_queries, y.shape[0])
-        # The j-th chosen token is the (1 + floor(j (count - 1) / (k - 1)))-th non-ignored one; its
-        # position is where the running count of non-ignored tokens first reaches that rank.
-        rank = torch.arange(k, device=h.device) * (count - 1) // max(k - 1, 1) + 1
-        rows = torch.searchsorted(valid.long().cumsum(0), rank).clamp_max(y.shape[0] - 1)
-        self.queries = h[rows].float()
-        self.last_batch = (h, y, ignore_index)
+        self.last_batch = (h.detach(), y, ignore_index)
+        self._queries = None
         if self.call_counter is None:
             self.call_counter = torch.zeros((), dtype=torch.long, device=h.device)
+            self._finite_calls = torch.zeros((), dtype=torch.long, device=h.device)
+            self._loss_flag = torch.zeros((), dtype=torch.float32, device=h.device)
+        loss = loss.detach()
+        self._loss_flag.add_(loss if loss.dim() == 0 else loss.sum(), alpha=0)  # 0 * NaN or Inf is NaN
+        self._finite_calls.add_(self._loss_flag == 0)
         self.call_counter.add_(1)
-        hidden_ok = torch.isfinite(h).all()
-        loss_ok = torch.isfinite(loss).all()
-        cause = torch.where(hidden_ok, torch.where(loss_ok, 0, 2), 1).long()
-        first = torch.stack([self.call_counter - 1, cause])
-        if self._first_bad is None:
-            none = torch.stack([cause.new_full((), -1), cause.new_zeros(())])
-            self._first_bad = torch.where(cause > 0, first, none)
-        else:
-            new = (self._first_bad[0] < 0) & (cause > 0)
-            self._first_bad = torch.where(new, first, self._first_bad)
+
+    @property
+    def queries(self) -> torch.Tensor | None:
+        """(min(k, T), D) float32, detached: hidden states of the last recorded call, evenly spaced over its
+        non-ignored tokens (repeated when fewer than k; any tokens when none is non-ignored), or None.
+        Chosen on the device when first read after a call, without reading the labels back."""
+        if self._queries is None and self.last_batch is not None:
+            self._queries = _spaced_queries(*self.last_batch, self.kl_queries)
+        return self._queries
 
     def first_nonfinite_call(self) -> tuple[int, str] | None:
-        """(index among the recorded calls since :meth:`clear`, cause) of the first call whose hidden
-        states or loss held NaN/Inf, or None. Reads one small tensor back (a device sync): call it at
-        logging steps, not per micro-batch."""
-        if self._first_bad is None:
+        """(index among the recorded calls since :meth:`clear`, cause) of the first call whose loss held NaN/Inf,
+        or None. The cause is "hidden states" when the kept last batch's hidden states hold NaN/Inf (a
+        non-finite input stays so from step to step), else "loss". Reads small tensors back (device syncs):
+        call it at logging steps, not per micro-batch."""
+        if self._finite_calls is None:
             return None
-        call, cause = (int(v) for v in self._first_bad.tolist())
-        return None if call < 0 else (call, NONFINITE_CAUSES[cause])
+        call, calls = int(self._finite_calls), int(self.call_counter)
+        if call >= calls:
+            return None
+        hidden_ok = bool(torch.isfinite(self.last_batch[0]).all())
+        return call, NONFINITE_CAUSES[2 if hidden_ok else 1]
+
+
+@torch.no_grad()
+def _spaced_queries(h: torch.Tensor, y: torch.Tensor, ignore_index: int, k: int) -> torch.Tensor:
+    """(min(k, T), D) float32 rows of ``h``: the j-th is the (1 + floor(j (count - 1) / (k - 1)))-th
+    non-ignored token, found where the running count of non-ignored tokens first reaches that rank."""
+    valid = y != ignore_index
+    count = valid.sum()
+    # No token counts: choose among all tokens (their hidden states are still the model's).
+    valid = valid | (count == 0)
+    count = torch.where(count == 0, torch.full_like(count, y.shape[0]), count)
+    k = min(k, y.shape[0])
+    rank = torch.arange(k, device=h.device) * (count - 1) // max(k - 1, 1) + 1
+    rows = torch.searchsorted(valid.long().cumsum(0), rank).clamp_max(y.shape[0] - 1)
+    return h[rows].float()
 
 
 __all__ = ["NONFINITE_CAUSES", "StepData"]
