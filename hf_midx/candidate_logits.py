@@ -8,7 +8,6 @@ Shapes: T tokens, D hidden dims, V classes, R candidate rows per token, C common
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 # Bytes of one (chunk, R, D) gather of candidate embeddings in the forward: bounds its memory, and keeps the
 # chunks few, since each costs kernel launches: one at the Gemma-3-270M shape (T = 8192, M = 20, D = 640:
@@ -21,12 +20,13 @@ class CandidateLogits(torch.autograd.Function):
 
     ``rows`` (T, R) are per-token candidates (the label, its own negatives), ``common`` (C,) are rows
     every token scores (the exact head, a shared pool). Logits are float32. The (T, R, D) gather is
-    never kept: the forward walks over token chunks (extra memory O(chunk R D + T C)), and the
-    backward needs none of it. There, grad_hidden[t] = sum_r g[t, r] weight[rows[t, r]] is one
-    ``embedding_bag`` (bags of R rows, weighted by g), and the weight gradient is the transposed
-    bag: the (t, r) pairs sorted by class, so that grad_weight[v] = sum over v's pairs of g[t, r]
-    hidden[t] is one ``embedding_bag`` over ``hidden`` with V bags. Both write every output row
-    once: no (T R, D) products and no atomic adds, whose launches per chunk dominated a GPU step.
+    never kept: the forward gathers, multiplies and drops it (over token chunks of at most
+    ``GATHER_BYTES``: one chunk up to the Gemma-3-270M shape), and the backward gathers it again:
+    grad_hidden is one batched product with it, and grad_weight one ``index_add_`` of the (T R, D)
+    products g[t, r] hidden[t] into a float32 (V, D) zero tensor (float64 for a float64 weight). Two ops
+    a chunk each: fewer launches than sorting the pairs by class for ``embedding_bag`` (13 leaf ops,
+    measured), at the cost of atomic adds on a GPU, where the fused kernels of :mod:`hf_midx.kernels`
+    run instead.
     """
 
     @staticmethod
@@ -43,34 +43,39 @@ class CandidateLogits(torch.autograd.Function):
                 out[s : s + chunk] = gathered(slice(s, s + chunk))
         common_rows = weight[common]  # (C, D), kept for the backward
         ctx.save_for_backward(hidden, weight, rows, common, common_rows)
+        ctx.chunk = chunk
         return out, (hidden @ common_rows.t()).float()  # (T, C): one GEMM
 
     @staticmethod
     def backward(ctx, grad_out, grad_shared):
         hidden, weight, rows, common, common_rows = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = grad_weight = None
+        t, r, d = rows.shape[0], rows.shape[1], weight.shape[1]
+        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32  # it sums many pairs
         g = grad_out.to(weight.dtype)  # (T, R)
-        if need_h:
-            grad_hidden = F.embedding_bag(rows, weight, per_sample_weights=g, mode="sum").to(hidden.dtype)
-        if need_w:
-            v, r = weight.shape[0], rows.shape[1]
-            by_class, order = rows.reshape(-1).sort()
-            # Bag v holds the pairs of class v: offsets from a search, so every shape is static (V,).
-            offsets = torch.searchsorted(by_class, torch.arange(v, device=rows.device, dtype=by_class.dtype))
-            grad_weight = F.embedding_bag(
-                order.div(r, rounding_mode="floor"),  # the token of each pair
-                hidden.to(weight.dtype),
-                offsets,
-                per_sample_weights=g.reshape(-1)[order],
-                mode="sum",
-            )
+        h = hidden.to(weight.dtype)
+        grad_hidden = torch.empty_like(hidden) if need_h and ctx.chunk < t else None
+        grad_weight = weight.new_zeros(weight.shape, dtype=acc) if need_w else None
+        for s in range(0, t, ctx.chunk):
+            part = slice(s, s + ctx.chunk)
+            if need_h:  # grad_hidden[t] = sum_r g[t, r] weight[rows[t, r]]: the forward's gather, again
+                w = weight.index_select(0, rows[part].reshape(-1)).view(-1, r, d)
+                gh = torch.bmm(g[part].unsqueeze(1), w).squeeze(1).to(hidden.dtype)
+                if grad_hidden is None:
+                    grad_hidden = gh
+                else:
+                    grad_hidden[part] = gh
+            if need_w:  # grad_weight[v] = sum over the pairs (t, r) of class v of g[t, r] hidden[t]
+                pairs = (g[part].unsqueeze(2) * h[part].unsqueeze(1)).reshape(-1, d)
+                grad_weight.index_add_(0, rows[part].reshape(-1), pairs.to(acc))
         if common.shape[0]:
             gs = grad_shared.to(weight.dtype)  # (T, C)
             if need_h:
-                grad_hidden = grad_hidden + (gs @ common_rows).to(hidden.dtype)
+                grad_hidden = torch.addmm(grad_hidden, gs.to(hidden.dtype), common_rows.to(hidden.dtype))
             if need_w:
-                grad_weight.index_add_(0, common, gs.t() @ hidden.to(weight.dtype))
+                grad_weight.index_add_(0, common, (gs.t() @ h).to(acc))
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
 
 
@@ -113,16 +118,15 @@ class SampledSoftmaxTerms(torch.autograd.Function):
             # Terms within log(n q_y) <= log(M + 1) of the objective's, so exp(terms - top) stays small too.
             est = ((cand + value_adj) - top).exp().sum(1)
             out = (est if e_head is None else est + head_total).log() + top.squeeze(1) - cand[:, 0]
-        kept = valid.float()
-        ctx.save_for_backward(e, e_head, kept / total, kept)
+        ctx.save_for_backward(e, e_head, valid / total, valid)
         return out.where(valid, 0.0)
 
     @staticmethod
     def backward(ctx, grad):
-        e, e_head, scale, kept = ctx.saved_tensors
+        e, e_head, scale, valid = ctx.saved_tensors
         g = (grad * scale).unsqueeze(1)
         grad_cand = e * g
-        grad_cand[:, 0] -= grad * kept
+        grad_cand[:, 0].sub_(grad * valid)
         return None if e_head is None else e_head * g, grad_cand, None, None, None, None
 
 

@@ -90,7 +90,7 @@ def _reduce(per_token: torch.Tensor, valid: torch.Tensor, reduction: str) -> tor
     if reduction == "sum":
         return total
     # An all-ignored batch gives 0 (with a zero gradient) rather than 0/0; the count stays on the device.
-    return total / valid.sum().clamp_min(1)
+    return total / valid.sum(dtype=torch.float32).clamp_min(1)
 
 
 def drops_accidental_hits(remove_accidental_hits: bool | None, estimator: str) -> bool:
@@ -214,7 +214,7 @@ def sampled_softmax_loss(
     fused = _runs_fused(kernels, negatives, hidden)  # before the draws: a refused "fused" draws nothing
     valid = labels != ignore_index
     # Ignored tokens get label 0: they are scored like any token, then masked out of the reduction.
-    y = labels.masked_fill(~valid, 0).long()
+    y = (labels * valid).long()
     if not check_labels:
         _labels_in_range(y, weight.shape[0])
     queries = hidden.detach().float()
@@ -281,22 +281,21 @@ def sampled_softmax_loss(
     # corrected positive when it is not in the head. A label the proposal cannot draw (log q = -inf, e.g. in H)
     # keeps its exact logit (0); inside H its term is dropped (-inf), the head holds it.
     if corrected:
-        minus_log_n = torch.where(in_head, -math.log(num_samples), -math.log(num_samples + 1))
-        target_adj = (minus_log_n - log_q_pos).nan_to_num(posinf=0.0)
+        minus_log_n = (in_head * math.log1p(1 / num_samples)).sub_(math.log(num_samples + 1))  # -log(M + [y not in H])
+        pos_adj = (minus_log_n - log_q_pos).nan_to_num_(posinf=-math.inf)  # log q_y = -inf: in H, dropped
+        target_adj = pos_adj.nan_to_num(neginf=0.0)
         neg_adj = minus_log_n.unsqueeze(1) - log_q
     else:
         target_adj, neg_adj = None, -(math.log(num_samples) + log_q)
-    if target_adj is None:
-        pos_adj = torch.zeros(y.shape, device=device).masked_fill(in_head, -math.inf)
-    else:
-        pos_adj = target_adj.masked_fill(in_head, -math.inf)
+        pos_adj = torch.zeros(y.shape, device=device).masked_fill_(in_head, -math.inf)
     neg_adj = neg_adj.masked_fill(hits, -math.inf) if drops else neg_adj
     adj = torch.cat([pos_adj.unsqueeze(1), neg_adj.expand(cand.shape[0], -1)], dim=1)  # (T, R)
     value_adj = None
     if exact_value and not (estimator == "exact-positive" and drops):  # else the objective is that estimate
         # The exact-loss estimate: the label exactly, M draws corrected by log M + log q, hits dropped (no gradient).
         pos_value = pos_adj if target_adj is None else pos_adj - target_adj  # 0, or -inf inside H
-        tail = torch.rsub(log_q, -math.log(num_samples)).masked_fill(hits, -math.inf)
+        tail = torch.rsub(log_q, -math.log(num_samples))  # (T, M), or (1, P) for a pool
+        tail = tail.masked_fill_(hits, -math.inf) if tail.shape == hits.shape else tail.masked_fill(hits, -math.inf)
         value_adj = torch.cat([pos_value.unsqueeze(1), tail], dim=1)
     per_token = sampled_softmax_terms(head, cand, adj, target_adj, value_adj, valid)
     return _reduce(per_token, valid, reduction)

@@ -39,9 +39,10 @@ class StepData:
         """Forget the kept batch, counters and finiteness record (not :attr:`scheduled`)."""
         self.last_batch: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self.call_counter: torch.Tensor | None = None
-        # 0 * (every loss so far): 0 until the first non-finite loss, NaN from then on; and the calls before that.
-        self._loss_flag: torch.Tensor | None = None
-        self._finite_calls: torch.Tensor | None = None
+        # [0 * (every loss so far), 0]: [0 until the first non-finite loss and NaN from then on, 0]; and
+        # [the calls before that one, all calls] (call_counter is a view of the second).
+        self._flags: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
         self._queries: torch.Tensor | None = None
 
     @property
@@ -51,7 +52,7 @@ class StepData:
 
     @torch.no_grad()
     def record(self, h: torch.Tensor, y: torch.Tensor, ignore_index: int, loss: torch.Tensor) -> None:
-        """Keep one call's batch and the finiteness of its loss on the device: no host sync, four small ops.
+        """Keep one call's batch and the finiteness of its loss on the device: no host sync, three small ops.
 
         Args:
             h: (T, D) hidden states in the weight's dtype (before any logit scale); kept detached, not copied.
@@ -61,14 +62,13 @@ class StepData:
         """
         self.last_batch = (h.detach(), y, ignore_index)
         self._queries = None
-        if self.call_counter is None:
-            self.call_counter = torch.zeros((), dtype=torch.long, device=h.device)
-            self._finite_calls = torch.zeros((), dtype=torch.long, device=h.device)
-            self._loss_flag = torch.zeros((), dtype=torch.float32, device=h.device)
+        if self._counts is None:
+            self._counts = torch.zeros(2, dtype=torch.long, device=h.device)
+            self._flags = torch.zeros(2, dtype=torch.float32, device=h.device)
+            self.call_counter = self._counts[1]
         loss = loss.detach()
-        self._loss_flag.add_(loss if loss.dim() == 0 else loss.sum(), alpha=0)  # 0 * NaN or Inf is NaN
-        self._finite_calls.add_(self._loss_flag == 0)
-        self.call_counter.add_(1)
+        self._flags[:1].add_(loss if loss.dim() == 0 else loss.sum(), alpha=0)  # 0 * NaN or Inf is NaN
+        self._counts.add_(self._flags == 0)
 
     @property
     def queries(self) -> torch.Tensor | None:
@@ -84,9 +84,9 @@ class StepData:
         or None. The cause is "hidden states" when the kept last batch's hidden states hold NaN/Inf (a
         non-finite input stays so from step to step), else "loss". Reads small tensors back (device syncs):
         call it at logging steps, not per micro-batch."""
-        if self._finite_calls is None:
+        if self._counts is None:
             return None
-        call, calls = int(self._finite_calls), int(self.call_counter)
+        call, calls = self._counts.tolist()
         if call >= calls:
             return None
         hidden_ok = bool(torch.isfinite(self.last_batch[0]).all())

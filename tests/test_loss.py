@@ -581,13 +581,15 @@ def test_the_training_path_finds_head_labels_without_isin(monkeypatch):
 def test_unchecked_labels_use_a_device_side_assertion():
     hidden, weight, bias, labels = _inputs()
     sampler = build_sampler("uniform", weight.detach())
-    with pytest.raises(RuntimeError, match="labels outside"):
-        sampled_softmax_loss(hidden, weight, torch.full((10,), V), sampler, 4, check_labels=False, estimator="exact-positive")
+    for bad in (V, -5):
+        with pytest.raises(RuntimeError, match="labels outside"):
+            sampled_softmax_loss(hidden, weight, torch.full((10,), bad), sampler, 4, check_labels=False,
+                                 estimator="exact-positive")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_candidate_logits_gradients_match_autograd_through_a_gather(dtype):
-    """The sort-based backward (two embedding bags, no (T, R, D) product) against autograd through
+    """The backward (the gather again, one batched product and one index_add_) against autograd through
     a plain gather, with repeated classes within and across tokens and a common block."""
     from hf_midx.candidate_logits import CandidateLogits
 

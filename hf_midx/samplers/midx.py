@@ -192,8 +192,9 @@ class MidxQuantizedSampler(MidxSampler):
             else:
                 v = self.num_candidates
                 self._log_static = torch.full((v,), -math.log(v), device=self.device)
-            self._static_cum = self._log_static.double().exp().cumsum(0)
-            # The (V',) table's total, a Python float (read once here): u * total < total for a 53-bit u.
+            # Cumulative over the global ids, 0 weight for an excluded class (a search never returns it), and
+            # its total as a Python float (read once here): u * total < total for a 53-bit u.
+            self._static_cum = self._globalize(self._log_static.double().exp(), 0.0).cumsum(0)
             self._static_total = float(self._static_cum[-1])
         self._after_index_change(None)
 
@@ -212,8 +213,9 @@ class MidxQuantizedSampler(MidxSampler):
 
     def _after_index_change(self, embeddings: torch.Tensor | None) -> None:
         """The tables a step reads, which change only with the index: the (D, 2K) codebooks as one matrix, the
-        (K*K,) log bucket masses, and per class (V,), in global ids, its bucket, its log share of the bucket
-        (times 1 - a) and its log static probability (times a); an excluded class scores -inf in both."""
+        (K*K,) log bucket masses, and per class, in global ids, its bucket (V,) and (V, 2) its log share of the
+        bucket (times 1 - a) and its log static probability (times a): one gather reads both; an excluded
+        class scores -inf in both."""
         idx, k = self.index, self.index.codebook_size
         bucket = idx.codes[:, 0] * k + idx.codes[:, 1]  # (V',)
         if self._log_w is None:
@@ -234,17 +236,17 @@ class MidxQuantizedSampler(MidxSampler):
         self._codewords = codewords
         a = self.mix_weight
         self._class_bucket = self._globalize(bucket, 0)
-        self._class_log_member = self._globalize(log_member.float() + math.log1p(-a), -math.inf)
-        self._class_log_static = None
+        logs = [log_member.float() + math.log1p(-a)]
         if self._log_static is not None:
-            self._class_log_static = self._globalize(self._log_static + math.log(a), -math.inf)
+            logs.append(self._log_static + math.log(a))
+        self._class_logs = self._globalize(torch.stack(logs, dim=1), -math.inf)
         self._order = self._to_global(idx.order)  # the classes in CSR order, as global ids
 
     def _globalize(self, local: torch.Tensor, fill: float) -> torch.Tensor:
-        """A (V,) table of per-class values from the (V',) candidates' ones, ``fill`` for the excluded classes."""
+        """A (V, ...) table of per-class values from the (V', ...) candidates' ones, ``fill`` for the excluded ones."""
         if self.candidates is None:
             return local
-        out = torch.full((self.num_classes,), fill, dtype=local.dtype, device=self.device)
+        out = torch.full((self.num_classes, *local.shape[1:]), fill, dtype=local.dtype, device=self.device)
         out[self.candidates] = local
         return out
 
@@ -286,7 +288,7 @@ class MidxQuantizedSampler(MidxSampler):
         draws = self.index.draw_members(bucket, u[1], self._cum_w, ids=self._order)
         if self._log_static is not None:
             static = torch.searchsorted(self._static_cum, u[2] * self._static_total, right=True)
-            draws = torch.where(u[3] < self.mix_weight, self._to_global(static), draws)
+            draws = torch.where(u[3] < self.mix_weight, static, draws)
         both = draws if ids is None else torch.cat([ids, draws], dim=1)
         log_q = self._log_q(joint, log_z, both)
         if ids is None:
@@ -295,12 +297,14 @@ class MidxQuantizedSampler(MidxSampler):
 
     def _log_q(self, joint: torch.Tensor, log_z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """log Q of (T, N) global ids from the bucket logits: the MIDX component, mixed with the static one."""
-        out = joint.gather(1, self._class_bucket[ids]) - log_z + self._class_log_member[ids]
-        return self._mixed(out, ids)
+        return self._mixed(joint.gather(1, self._class_bucket[ids]) - log_z, ids)
 
-    def _mixed(self, log_q_midx: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """logaddexp of the (already weighted) MIDX and static components of global ``ids``."""
-        return log_q_midx if self._class_log_static is None else torch.logaddexp(log_q_midx, self._class_log_static[ids])
+    def _mixed(self, log_q_bucket: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """log Q of global ``ids`` from the log probability of their buckets: the class's share of its bucket,
+        then the logaddexp with the static component (both already weighted by the mixture)."""
+        logs = self._class_logs[ids]  # (..., 1 or 2)
+        out = log_q_bucket + logs[..., 0]
+        return out if logs.shape[-1] == 1 else torch.logaddexp(out, logs[..., 1])
 
     # The hot path in global ids (the tables hold the excluded classes as -inf), the hooks in local ones.
     def draw(self, queries, num_samples, generator=None):
@@ -326,7 +330,7 @@ class MidxQuantizedSampler(MidxSampler):
         bucket = self._class_bucket[ids]
         out = mixture_log_prob(lambda rows: joint[rows][:, bucket] - log_z[rows], q.shape[0], ids.shape[0], log_w)
         # The last-stage share and the static component are the same for every query: outside the sum over t.
-        return self._mixed(out + self._class_log_member[ids], ids)
+        return self._mixed(out, ids)
 
 
 @register
