@@ -1,0 +1,55 @@
+"""The eager training step in few ATen ops, the same at every T (issue 36: at most 120).
+
+On a GPU one ATen op is about one kernel launch, and a step made of hundreds of small ops is launch-bound.
+``recipes/benchmarks/profile_head.py``'s :func:`count_ops` counts the leaf ops of the profiler's tree (so that
+no op hides inside another), less views and allocations, over one steady-state forward + backward of the
+default head, ``MidxLMHead`` as ``MidxConfig()`` builds it with class counts (the exact head on): the draw, the
+loss and the step bookkeeping included. The count must not grow with T: no loop over token chunks at these
+shapes (nor at the Gemma-3-270M shape, where ``profile_head.py --count`` gives the same figure).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import hf_midx
+from recipes.benchmarks.profile_head import FREE_OPS, count_ops
+
+MAX_OPS = 120
+
+
+def _default_head_step(num_tokens: int, num_classes: int = 3000, dim: int = 48):
+    """A steady-state step function of the default head (every ``MidxConfig`` default, class counts given)."""
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(1, 1000, (num_classes,), generator=g).double()
+    linear = torch.nn.Linear(dim, num_classes, bias=False)
+    head = hf_midx.MidxLMHead(linear, hf_midx.MidxConfig(), class_counts=counts)
+    hidden = torch.randn(num_tokens, dim, generator=g).requires_grad_()
+    labels = torch.multinomial(counts.float(), num_tokens, replacement=True, generator=g)
+    labels[::9] = -100
+
+    def step():
+        hidden.grad = head.weight.grad = None
+        head.loss(hidden, labels).backward()
+
+    step()  # the first call creates the step data's buffers
+    return head, step
+
+
+def test_default_head_step_is_at_most_120_ops_at_every_t():
+    counts = {}
+    for t in (64, 256):
+        head, step = _default_head_step(t)
+        assert head.exact_ids is not None and head.config.mix_weight > 0  # the default head, in full
+        ops = count_ops(step)
+        counts[t] = len(ops)
+    assert counts[64] == counts[256] <= MAX_OPS, counts
+
+
+def test_the_counter_counts_leaves_and_not_views():
+    """A matmul counts as its mm, a view or an allocation not at all, a logsumexp as the ops it runs."""
+    x = torch.randn(8, 4)
+    ops = count_ops(lambda: (x @ x.t()).view(-1).unsqueeze(0).clone(), package="test_op_count.py")
+    assert [op for op, _ in ops] == ["mm", "copy_"]
+    assert "view" in FREE_OPS and "empty" in FREE_OPS and "copy_" not in FREE_OPS
+    assert len(count_ops(lambda: torch.logsumexp(x, 1))) > 1
