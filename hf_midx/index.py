@@ -145,8 +145,9 @@ class MidxIndex:
         self.bucket_counts = counts.view(k, k)
         self.offsets = torch.zeros(k * k + 1, dtype=torch.long, device=c1.device)
         torch.cumsum(counts, 0, out=self.offsets[1:])
-        # (K*K, 2) [offset, size] per bucket: a uniform draw inside buckets reads both with one gather.
-        self.spans = torch.stack([self.offsets[:-1], counts], dim=1)
+        # (K*K, 2) [offset, size] per bucket: a uniform draw inside buckets reads both with one gather. An empty
+        # bucket's offset is kept below V, so that a draw from it (NaN queries only) still indexes a class.
+        self.spans = torch.stack([self.offsets[:-1].clamp_max(self.codes.shape[0] - 1), counts], dim=1)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -195,7 +196,7 @@ class MidxIndex:
         if cum_weights is None:
             span = self.spans[buckets]  # (T, M, 2): [offset, size] of each bucket, one gather
             return ids[span[..., 0] + (u * span[..., 1]).long()]
-        lo, hi = self.offsets[buckets], self.offsets[buckets + 1]
+        lo, hi = self.spans[buckets, 0], self.offsets[buckets + 1]
         if cum_weights.dim() == 1:
             base, top = cum_weights[lo], cum_weights[hi]
         else:

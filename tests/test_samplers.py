@@ -437,3 +437,14 @@ def test_draw_scored_equals_draw_then_score(name, options, problem):
     torch.testing.assert_close(log_qbar, log_qbar2)
     torch.testing.assert_close(log_qbar_labels, smp.score_shared(q, labels[:, 0], row_weights=weights))
     assert log_qbar_labels[0] == -math.inf
+
+
+@pytest.mark.parametrize("options", [{}, {"last_stage": "frequency"}])
+def test_nan_queries_still_draw_classes_in_range(options, problem):
+    """NaN hidden states (a diverged step) must not crash the draw with an index error: the callback then says
+    where the NaN came from. Every bucket search lands in range, an empty trailing bucket included."""
+    emb = problem[0]
+    smp = _build("midx-rq", emb, mix_weight=0.5, **options)
+    q = torch.full((5, emb.shape[1]), float("nan"))
+    ids, _ = smp.draw(q, 7)
+    assert int(ids.min()) >= 0 and int(ids.max()) < emb.shape[0]
