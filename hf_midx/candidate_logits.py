@@ -19,10 +19,10 @@ class CandidateLogits(torch.autograd.Function):
     """o[t, r] = hidden[t] . weight[rows[t, r]] and s[t, c] = hidden[t] . weight[common[c]].
 
     ``rows`` (T, R) are per-token candidates (the label, its own negatives), ``common`` (C,) are rows
-    every token scores (the exact head, a shared pool). Logits are float32. The (T, R, D) gather is
-    never kept: the forward gathers, multiplies and drops it (over token chunks of at most
-    ``GATHER_BYTES``: one chunk up to the Gemma-3-270M shape), and the backward gathers it again:
-    grad_hidden is one batched product with it, and grad_weight one ``index_add_`` of the (T R, D)
+    every token scores (the exact head, a shared pool). Logits are float32. The forward gathers the
+    (T, R, D) candidate rows in token chunks of at most ``GATHER_BYTES`` (one chunk up to the Gemma-3-270M
+    shape), and keeps them for the backward when they fit in one (else the backward gathers again):
+    grad_hidden is one batched product with them, and grad_weight one ``index_add_`` of the (T R, D)
     products g[t, r] hidden[t] into a float32 (V, D) zero tensor (float64 for a float64 weight). Two ops
     a chunk each: fewer launches than sorting the pairs by class for ``embedding_bag`` (13 leaf ops,
     measured), at the cost of atomic adds on a GPU, where the fused kernels of :mod:`hf_midx.kernels`
@@ -31,24 +31,25 @@ class CandidateLogits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, rows, common, chunk):
-        def gathered(part: slice) -> torch.Tensor:  # (chunk, R) float32
+        def gathered(part: slice) -> tuple[torch.Tensor, torch.Tensor]:  # (chunk, R, D) rows, (chunk, R) float32
             w = weight.index_select(0, rows[part].reshape(-1)).view(-1, rows.shape[1], weight.shape[1])
-            return torch.bmm(w, hidden[part].unsqueeze(2)).squeeze(2).float()
+            return w, torch.bmm(w, hidden[part].unsqueeze(2)).squeeze(2).float()
 
-        if chunk >= rows.shape[0]:
-            out = gathered(slice(None))
+        kept = None
+        if chunk >= rows.shape[0]:  # one chunk: the backward reuses the gather (at most GATHER_BYTES)
+            kept, out = gathered(slice(None))
         else:
             out = torch.empty(rows.shape, device=hidden.device, dtype=torch.float32)
             for s in range(0, rows.shape[0], chunk):
-                out[s : s + chunk] = gathered(slice(s, s + chunk))
+                out[s : s + chunk] = gathered(slice(s, s + chunk))[1]
         common_rows = weight[common]  # (C, D), kept for the backward
-        ctx.save_for_backward(hidden, weight, rows, common, common_rows)
+        ctx.save_for_backward(hidden, weight, rows, common, common_rows, kept)
         ctx.chunk = chunk
         return out, (hidden @ common_rows.t()).float()  # (T, C): one GEMM
 
     @staticmethod
     def backward(ctx, grad_out, grad_shared):
-        hidden, weight, rows, common, common_rows = ctx.saved_tensors
+        hidden, weight, rows, common, common_rows, kept = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         t, r, d = rows.shape[0], rows.shape[1], weight.shape[1]
         acc = torch.float64 if weight.dtype == torch.float64 else torch.float32  # it sums many pairs
@@ -58,8 +59,8 @@ class CandidateLogits(torch.autograd.Function):
         grad_weight = weight.new_zeros(weight.shape, dtype=acc) if need_w else None
         for s in range(0, t, ctx.chunk):
             part = slice(s, s + ctx.chunk)
-            if need_h:  # grad_hidden[t] = sum_r g[t, r] weight[rows[t, r]]: the forward's gather, again
-                w = weight.index_select(0, rows[part].reshape(-1)).view(-1, r, d)
+            if need_h:  # grad_hidden[t] = sum_r g[t, r] weight[rows[t, r]]: the forward's gather, kept or again
+                w = kept if kept is not None else weight.index_select(0, rows[part].reshape(-1)).view(-1, r, d)
                 gh = torch.bmm(g[part].unsqueeze(1), w).squeeze(1).to(hidden.dtype)
                 if grad_hidden is None:
                     grad_hidden = gh

@@ -256,15 +256,15 @@ class MidxQuantizedSampler(MidxSampler):
 
         Returns s (T, 2K) float32 = [z1 . c1, z2 . c2]; the bucket logits joint (T, K*K) float32 =
         s1[k1] + s2[k2] + log W(k1, k2) (W = |Omega| or the summed frequency weights; -inf for an empty
-        bucket); log Z (T, 1) float32; and the buckets' cumulative weights (T, K*K) float64, relative to
+        bucket); log Z (T, 1) float32; and the buckets' cumulative weights (T, K*K) float32, relative to
         the row's largest bucket, for the inverse-CDF draw (a bucket below e^-87 of it is never drawn).
         """
         k = self.index.codebook_size
         s = q @ self._codewords
         joint = (s[:, :k].unsqueeze(2) + s[:, k:].unsqueeze(1)).view(-1, k * k) + self._log_mass
         top = joint.amax(1, keepdim=True)
-        cum = (joint - top).exp().cumsum(1, dtype=torch.float64)
-        return s, joint, cum[:, -1:].float().log() + top, cum
+        cum = (joint - top).exp().cumsum(1)
+        return s, joint, cum[:, -1:].log() + top, cum
 
     def codeword_scores(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """s1 = z1 . c1 (T, K), s2 = z2 . c2 (T, K) float32 and log Z (T,) float32 of the MIDX component."""
@@ -278,13 +278,16 @@ class MidxQuantizedSampler(MidxSampler):
         One proposal evaluation and one call of the generator per step: its (4, T, M) uniforms pick the
         bucket (inverse CDF over the K*K buckets: the two-stage P1(k1) P2(k2 | k1) draw in one search), the
         class inside it, the static component's class and which of the two each draw keeps (both drawn:
-        no host sync). A uniform u of 53 bits gives u * total < total, so no zero-weight entry is drawn.
+        no host sync). A float64 uniform u of 53 bits gives u * total < total, so no zero-weight entry is drawn.
         """
         _, joint, log_z, cum = self._scores(q)
         u = gen.rand(2 if self._log_static is None else 4, q.shape[0], m, dtype=torch.float64)
         # The clamp only matters for NaN queries (searchsorted then returns K*K): an index in range lets the
         # caller say which tensor went NaN.
-        bucket = torch.searchsorted(cum, u[0] * cum[:, -1:], right=True).clamp_max(cum.shape[1] - 1)
+        # A float32 target strictly below the row's total: u * total * (1 - 2^-23) rounds at most to the float
+        # before the total, so a trailing empty bucket is never drawn (the last bucket loses < 2^-23 of the mass).
+        target = (u[0] * (cum[:, -1:] * (1 - 2.0**-23))).float()
+        bucket = torch.searchsorted(cum, target, right=True).clamp_max(cum.shape[1] - 1)
         draws = self.index.draw_members(bucket, u[1], self._cum_w, ids=self._order)
         if self._log_static is not None:
             static = torch.searchsorted(self._static_cum, u[2] * self._static_total, right=True)
