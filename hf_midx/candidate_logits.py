@@ -67,7 +67,10 @@ class CandidateLogits(torch.autograd.Function):
                 else:
                     grad_hidden[part] = gh
             if need_w:  # grad_weight[v] = sum over the pairs (t, r) of class v of g[t, r] hidden[t]
-                pairs = (g[part].unsqueeze(2) * h[part].unsqueeze(1)).reshape(-1, d)
+                # Into the kept gather, read for the last time above: no fresh (T, R, D) buffer (on the CPU its
+                # page faults cost as much as the products). Autograd's version check refuses a second backward.
+                into = kept if kept is not None and need_h else None
+                pairs = torch.mul(g[part].unsqueeze(2), h[part].unsqueeze(1), out=into).reshape(-1, d)
                 grad_weight.index_add_(0, rows[part].reshape(-1), pairs.to(acc))
         if common.shape[0]:
             gs = grad_shared.to(weight.dtype)  # (T, C)
