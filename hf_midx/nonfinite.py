@@ -1,7 +1,7 @@
 """Where NaN/Inf appeared in MIDX training: the optimizer step and the tensor, found without a sync per step.
 
-The head records, on the device, the first sampled call whose hidden states or loss were not finite
-(``head.step_data``). :class:`NonFiniteCheck` keeps a copy of the device call counter at the end of
+The head records, on the device, the first sampled call whose loss was not finite (``head.step_data``;
+whether the hidden states were the cause is read from the last kept batch when the check runs). :class:`NonFiniteCheck` keeps a copy of the device call counter at the end of
 every optimizer step and, when the callback checks (at logging, evaluation, save and refresh steps,
 where the Trainer syncs anyway), maps that call back to its step; the ranks agree on the earliest.
 """

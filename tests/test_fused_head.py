@@ -24,10 +24,10 @@ import hf_midx
 from hf_midx import MidxConfig, build_sampler, sampled_softmax_loss
 from hf_midx.config import CONFIG_NAME
 from hf_midx.head import find_head
-from hf_midx.kernels import candidate, triton_available
+from hf_midx.kernels import candidate, candidate_loss, triton_available
 
 from _models import clone_model, markov_batches, tiny_model
-from test_kernels import _FREE, OpCounter, launched_kernels, run_interpreted
+from test_kernels import _FREE, OpCounter, launched_kernels, make_case, run, run_interpreted
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not triton_available(), reason="the fused kernels need Triton (Linux x86_64 wheels)")
@@ -219,6 +219,26 @@ def test_fused_head_step_is_fewer_ops_and_no_sync(monkeypatch):
     (_, eager_real, eager_launches, eager_syncs), (_, fused_real, fused_launches, fused_syncs) = counts.values()
     assert (eager_launches, fused_launches, eager_syncs, fused_syncs) == (0, 3, 0, 0)
     assert fused_real + fused_launches < eager_real
+
+
+@interpreted
+def test_fused_path_traces_as_one_graph_and_compiles_to_the_same_loss():
+    """The launches are torch.library custom ops: torch.compile(fullgraph=True) traces the fused path (forward and
+    backward) with 0 graph breaks, and the compiled step gives the eager fused step's loss and gradients."""
+    case = make_case(64, 500, 16, 5, 8, seed=7)
+
+    def loss(hidden, weight, bias):
+        return candidate_loss(hidden, weight, case.labels, case.ids, case.log_q, case.log_q_pos, bias=bias,
+                              head_ids=case.head, backend="fused")
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(loss)(case.hidden, case.weight, case.bias)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = run(lambda c: compiled(c.hidden, c.weight, c.bias), case)
+    for a, b in zip(got, run(lambda c: loss(c.hidden, c.weight, c.bias), case)):
+        torch.testing.assert_close(a, b)
 
 
 # ------------------------------------------------------------------------------------------ validation

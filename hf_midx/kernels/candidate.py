@@ -40,6 +40,8 @@ import os
 
 import torch
 
+from .launch import _cdiv, _pow2  # importing it registers the launches as torch.ops.hf_midx custom ops
+
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("auto", "fused", "eager")
 
@@ -109,14 +111,6 @@ class Blocks:
         return cls(t=t, d=d, h=128, v=64, p=64)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # ====================================================================== fused
 class FusedCandidateLoss(torch.autograd.Function):
     """The candidate loss as Triton kernels; see the module docstring. Inputs as :func:`candidate_loss`,
@@ -127,7 +121,6 @@ class FusedCandidateLoss(torch.autograd.Function):
         ctx, hidden, weight, bias, labels, ids, log_q, log_q_pos, head_ids,
         ignore_index, logit_scale, logit_softcap, corrected, drop_hits, exact_value, reduction, blocks,
     ):
-        kernels = _kernels()
         num_tokens, dim = hidden.shape
         m = ids.shape[1]
         rows_per_token = m + 1
@@ -142,29 +135,25 @@ class FusedCandidateLoss(torch.autograd.Function):
             head_ids = head_ids.contiguous()
             w_head = weight.index_select(0, head_ids)  # (H, D), kept for the backward GEMMs
             head_raw = hidden @ w_head.t()  # (T, H): cuBLAS, in the weight's dtype
-            # The gradient overwrites the logits where both are float32 (each read before written).
-            g_head = head_raw if head_raw.dtype == f32 else head_raw.new_empty(head_raw.shape, dtype=f32)
+            # The gradient overwrites the logits where both are float32 (each read before written): g_head None.
+            g_head = None if head_raw.dtype == f32 else head_raw.new_empty(head_raw.shape, dtype=f32)
         else:
-            head_ids = w_head = head_raw = g_head = labels  # never read: every loop over H is empty
+            head_ids = w_head = head_raw = g_head = None
         programs = _cdiv(num_tokens, blocks.t)
         per_token = torch.empty(num_tokens, device=device, dtype=f32)
         stats = torch.empty((programs, 2), device=device, dtype=f32)  # per block: loss sum, valid tokens
         rows = torch.empty((num_tokens, rows_per_token), device=device, dtype=torch.int32)
         g_cand = torch.empty((num_tokens, rows_per_token), device=device, dtype=f32)
-        kernels.candidate_forward_kernel[(programs,)](
-            hidden, weight, bias if bias is not None else hidden, labels, ids, log_q,
-            log_q_pos if log_q_pos is not None else log_q,
-            head_ids, head_raw,
-            per_token, stats, rows, g_cand, g_head,
-            num_tokens, dim, m, num_head,
-            hidden.stride(0), weight.stride(0), head_raw.stride(0) if num_head else 0,
-            ignore_index, float(logit_scale), float(logit_softcap or 1.0),
-            HAS_BIAS=bias is not None, SOFTCAP=logit_softcap is not None, CORRECTED=corrected, DROP_HITS=drop_hits,
+        torch.ops.hf_midx.candidate_forward(
+            hidden, weight, bias, labels, ids, log_q, log_q_pos, head_ids, head_raw, g_head,
+            per_token, stats, rows, g_cand,
+            [int(ignore_index), blocks.t, blocks.d, min(blocks.h, _pow2(num_head)), blocks.warps],
+            [float(logit_scale), float(logit_softcap or 1.0)],
             # The paper's estimator with the hits dropped is the value estimate already.
-            EXACT_VALUE=exact_value and (corrected or not drop_hits), SEARCH_STEPS=max(0, num_head).bit_length(),
-            BLOCK_T=blocks.t, BLOCK_R=_pow2(rows_per_token), BLOCK_D=blocks.d, BLOCK_H=min(blocks.h, _pow2(num_head)),
-            num_warps=blocks.warps,
+            [logit_softcap is not None, corrected, drop_hits, exact_value and (corrected or not drop_hits)],
         )
+        if num_head and g_head is None:
+            g_head = head_raw
         count = None
         if reduction == "none":
             out = per_token
@@ -184,14 +173,10 @@ class FusedCandidateLoss(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         hidden, weight, w_head, head_ids, rows, g_cand, g_head, count = ctx.saved_tensors
-        kernels = _kernels()
         blocks = ctx.blocks
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        num_tokens, dim = hidden.shape
         num_classes = weight.shape[0]
-        rows_per_token = rows.shape[1]
         gscale = (grad_out / count if count is not None else grad_out).float()  # () or (T,)
-        gscale_stride = gscale.stride(0) if gscale.dim() else 0
         grad_hidden = grad_weight = grad_bias = None
         g_head_w = None
         if ctx.num_head:
@@ -201,25 +186,15 @@ class FusedCandidateLoss(torch.autograd.Function):
         if need_h:
             base = g_head_w @ w_head if ctx.num_head else None  # (T, D)
             grad_hidden = torch.empty_like(hidden)
-            grid = (_cdiv(num_tokens, blocks.t), _cdiv(dim, blocks.d))
-            kernels.candidate_grad_hidden_kernel[grid](
-                weight, rows, g_cand, gscale, base if base is not None else hidden, grad_hidden,
-                num_tokens, dim, rows_per_token,
-                weight.stride(0), gscale_stride, base.stride(0) if base is not None else 0, grad_hidden.stride(0),
-                HAS_BASE=base is not None,
-                BLOCK_T=blocks.t, BLOCK_R=_pow2(rows_per_token), BLOCK_D=blocks.d, num_warps=blocks.warps,
+            torch.ops.hf_midx.candidate_grad_hidden(
+                weight, rows, g_cand, gscale, base, grad_hidden, [blocks.t, blocks.d, blocks.warps]
             )
         if need_w or need_b:
             keys, order = rows.view(-1).sort(stable=True)  # the (t, r) pairs by class
             grad_weight = torch.empty_like(weight)
             grad_bias = torch.empty(num_classes, device=weight.device, dtype=ctx.bias_dtype) if need_b else None
-            kernels.candidate_grad_weight_kernel[(_cdiv(num_classes, blocks.v), _cdiv(dim, blocks.d))](
-                hidden, keys, order, g_cand, gscale, grad_weight,
-                grad_bias if grad_bias is not None else grad_weight,
-                num_classes, dim, rows_per_token, keys.numel(), keys.numel().bit_length(),
-                hidden.stride(0), gscale_stride, grad_weight.stride(0),
-                HAS_BIAS=need_b,
-                BLOCK_V=blocks.v, BLOCK_P=blocks.p, BLOCK_D=blocks.d, num_warps=blocks.warps,
+            torch.ops.hf_midx.candidate_grad_weight(
+                hidden, keys, order, g_cand, gscale, grad_weight, grad_bias, [blocks.v, blocks.p, blocks.d, blocks.warps]
             )
             if ctx.num_head:
                 # Head ids are distinct: index_add_ adds each row once, deterministically.

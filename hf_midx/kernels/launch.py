@@ -1,0 +1,115 @@
+"""The three Triton launches of :class:`~hf_midx.kernels.FusedCandidateLoss` as ``torch.library`` custom ops.
+
+``torch.compile`` does not trace into a custom op: it records one call with the declared mutations and
+runs the launch as is. So the fused path traces as one graph (no graph break at the kernel module's
+import, at the launch, or, under ``TRITON_INTERPRET=1``, inside the interpreter), on a GPU and in the
+CPU tests alike. Each op writes only into the tensors it declares mutated and returns nothing; its
+fake (meta) version does nothing. Integer and float options travel as lists (a custom op's schema
+takes no Python objects); tile sizes are ``Blocks`` fields.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_LIB = "hf_midx"
+
+
+def _kernels():
+    from .candidate import _kernels  # lazily: Triton is imported when a kernel runs
+
+    return _kernels()
+
+
+def _pow2(n: int) -> int:
+    """The power of two at or above n (1 for n <= 1): a Triton block size."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b): programs of a launch grid."""
+    return -(-a // b)
+
+
+@torch.library.custom_op(
+    f"{_LIB}::candidate_forward", mutates_args=("head_raw", "g_head", "per_token", "stats", "rows", "g_cand"),
+)
+def candidate_forward(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, ids: Tensor, log_q: Tensor,
+    log_q_pos: Tensor | None, head_ids: Tensor | None, head_raw: Tensor | None, g_head: Tensor | None,
+    per_token: Tensor, stats: Tensor, rows: Tensor, g_cand: Tensor,
+    ints: list[int], floats: list[float], flags: list[bool],
+) -> None:
+    """The forward kernel: ints = [ignore_index, BLOCK_T, BLOCK_D, BLOCK_H, warps], floats = [scale, cap],
+    flags = [has softcap, corrected, drop hits, exact value]. The head's logit gradient goes into ``g_head``,
+    or over ``head_raw`` where it is None (both float32)."""
+    ignore_index, block_t, block_d, block_h, warps = ints
+    softcap, corrected, drop_hits, exact_value = flags
+    num_tokens, dim = hidden.shape
+    m = ids.shape[1]
+    num_head = 0 if head_ids is None else head_ids.numel()
+    if num_head:
+        g_head = head_raw if g_head is None else g_head
+    else:
+        head_ids = head_raw = g_head = labels  # never read: every loop over H is empty
+    _kernels().candidate_forward_kernel[(_cdiv(num_tokens, block_t),)](
+        hidden, weight, bias if bias is not None else hidden, labels, ids, log_q,
+        log_q_pos if log_q_pos is not None else log_q, head_ids, head_raw,
+        per_token, stats, rows, g_cand, g_head,
+        num_tokens, dim, m, num_head,
+        hidden.stride(0), weight.stride(0), head_raw.stride(0) if num_head else 0,
+        ignore_index, floats[0], floats[1],
+        HAS_BIAS=bias is not None, SOFTCAP=softcap, CORRECTED=corrected, DROP_HITS=drop_hits,
+        EXACT_VALUE=exact_value, SEARCH_STEPS=max(0, num_head).bit_length(),
+        BLOCK_T=block_t, BLOCK_R=_pow2(m + 1), BLOCK_D=block_d, BLOCK_H=block_h, num_warps=warps,
+    )
+
+
+@candidate_forward.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{_LIB}::candidate_grad_hidden", mutates_args=("out",))
+def candidate_grad_hidden(
+    weight: Tensor, rows: Tensor, g_cand: Tensor, gscale: Tensor, base: Tensor | None, out: Tensor, ints: list[int]
+) -> None:
+    """grad_hidden = base + gscale * sum_r g_cand[t, r] weight[rows[t, r]]; ints = [BLOCK_T, BLOCK_D, warps]."""
+    block_t, block_d, warps = ints
+    num_tokens, dim = out.shape
+    r = rows.shape[1]
+    _kernels().candidate_grad_hidden_kernel[(_cdiv(num_tokens, block_t), _cdiv(dim, block_d))](
+        weight, rows, g_cand, gscale, base if base is not None else out, out,
+        num_tokens, dim, r,
+        weight.stride(0), gscale.stride(0) if gscale.dim() else 0, base.stride(0) if base is not None else 0,
+        out.stride(0),
+        HAS_BASE=base is not None, BLOCK_T=block_t, BLOCK_R=_pow2(r), BLOCK_D=block_d, num_warps=warps,
+    )
+
+
+@candidate_grad_hidden.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{_LIB}::candidate_grad_weight", mutates_args=("grad_weight", "grad_bias"))
+def candidate_grad_weight(
+    hidden: Tensor, keys: Tensor, order: Tensor, g_cand: Tensor, gscale: Tensor, grad_weight: Tensor,
+    grad_bias: Tensor | None, ints: list[int],
+) -> None:
+    """Every row of grad_weight (and grad_bias) from the (t, r) pairs sorted by class; ints = [BLOCK_V, BLOCK_P,
+    BLOCK_D, warps]."""
+    block_v, block_p, block_d, warps = ints
+    num_classes, dim = grad_weight.shape
+    _kernels().candidate_grad_weight_kernel[(_cdiv(num_classes, block_v), _cdiv(dim, block_d))](
+        hidden, keys, order, g_cand, gscale, grad_weight, grad_bias if grad_bias is not None else grad_weight,
+        num_classes, dim, g_cand.shape[1], keys.numel(), keys.numel().bit_length(),
+        hidden.stride(0), gscale.stride(0) if gscale.dim() else 0, grad_weight.stride(0),
+        HAS_BIAS=grad_bias is not None, BLOCK_V=block_v, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=warps,
+    )
+
+
+@candidate_grad_weight.register_fake
+def _(*args, **kwargs) -> None:
+    return None
