@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .candidate import _cdiv, _check_fused, _kernels_module
+from .candidate import _check_fused
+from .launch import _cdiv, _kernels_module
 
 
 def counter_rand(state: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -10,16 +10,51 @@ takes no Python objects); tile sizes are ``Blocks`` fields.
 
 from __future__ import annotations
 
+import importlib
+import os
+
 import torch
 from torch import Tensor
 
 _LIB = "hf_midx"
 
 
-def _kernels():
-    from .candidate import _kernels  # lazily: Triton is imported when a kernel runs
+# ====================================================================== triton availability
+def triton_available() -> bool:
+    """True when Triton imports (it ships with torch's CUDA builds on Linux)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
-    return _kernels()
+
+def triton_interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    try:
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    except (ImportError, AttributeError):
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _kernels_module(name: str):
+    """The kernel module ``name`` of this package, (re)imported so that its ``@triton.jit`` functions match
+    the interpreter setting: Triton decides at decoration time whether a function is compiled or interpreted."""
+    module = importlib.import_module(f"{__package__}.{name}")
+    if torch.compiler.is_compiling():
+        return module  # a compiled graph runs on a GPU, never in the interpreter: nothing to check while tracing
+    from triton.runtime.interpreter import InterpretedFunction
+
+    jitted = next(v for v in vars(module).values() if hasattr(v, "arg_names"))  # any @triton.jit function
+    if isinstance(jitted, InterpretedFunction) != triton_interpreting():
+        module = importlib.reload(module)
+    return module
+
+
+def _kernels():
+    return _kernels_module("_candidate_triton")
 
 
 def _pow2(n: int) -> int:
