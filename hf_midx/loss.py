@@ -267,10 +267,11 @@ def sampled_softmax_loss(
     head = common_logits[:, :num_exact] if negatives == "shared" else common_logits  # (T, H)
     cand = tok_logits if negatives == "per-query" else torch.cat([tok_logits, common_logits[:, num_exact:]], dim=1)
 
-    # A label inside the exact head is already one of the head's terms. The sampler scores exactly the head -inf
-    # (exact_ids is its excluded set, checked above); else a binary search of the sorted head (torch.isin of a
-    # large head sorts and takes unique values, a device sync on CUDA).
-    if corrected:
+    # A label inside the exact head is already one of the head's terms. With the label's log q at hand, a label
+    # of log q = -inf is in the head: the sampler excludes exactly exact_ids (checked above) and every sampler
+    # keeps its other classes drawable. Else a binary search of the sorted head (torch.isin of a large head
+    # sorts and takes unique values, a device sync on CUDA).
+    if corrected and num_exact:
         in_head = log_q_pos == -math.inf
     elif num_exact:
         head_ids = excluded.to(device)
@@ -278,11 +279,11 @@ def sampled_softmax_loss(
     else:
         in_head = torch.zeros_like(valid)
     # The corrections -log(n q) of the candidates (T, 1 + M), the label's first: n = M, plus the label with the
-    # corrected positive when it is not in the head. A label the proposal cannot draw (log q = -inf, e.g. in H)
-    # keeps its exact logit (0); inside H its term is dropped (-inf), the head holds it.
+    # corrected positive when it is not in the head. Inside H the label's term is dropped (-inf: the head holds
+    # it) and the target is its exact logit (0); without a head a label the proposal cannot draw keeps both.
     if corrected:
         minus_log_n = (in_head * math.log1p(1 / num_samples)).sub_(math.log(num_samples + 1))  # -log(M + [y not in H])
-        pos_adj = (minus_log_n - log_q_pos).nan_to_num_(posinf=-math.inf)  # log q_y = -inf: in H, dropped
+        pos_adj = (minus_log_n - log_q_pos).nan_to_num_(posinf=-math.inf if num_exact else 0.0)
         target_adj = pos_adj.nan_to_num(neginf=0.0)
         neg_adj = minus_log_n.unsqueeze(1) - log_q
     else:
