@@ -102,7 +102,7 @@ class SampledSoftmaxTerms(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, head, cand, adj, target_adj, value_adj, valid):
+    def forward(ctx, head, cand, adj, target_adj, value_adj, valid, tail_control):
         terms = cand + adj
         top = terms.amax(1)
         if head.shape[1]:
@@ -122,16 +122,24 @@ class SampledSoftmaxTerms(torch.autograd.Function):
             # Terms within log(n q_y) <= log(M + 1) of the objective's, so exp(terms - top) stays small too.
             est = ((cand + value_adj) - top).exp().sum(1)
             out = (est if e_head is None else est + head_total).log() + top.squeeze(1) - cand[:, 0]
-        ctx.save_for_backward(e, e_head, valid / total, valid)
-        return out.where(valid, 0.0)
+        scale = valid / total
+        share = e[:, 1:].sum(1).mul_(scale) if tail_control else None  # the draws' share of the softmax
+        ctx.save_for_backward(e, e_head, scale, valid, share)
+        out = out.where(valid, 0.0)
+        if share is None:
+            return out, None
+        ctx.mark_non_differentiable(share)
+        return out, share
 
     @staticmethod
-    def backward(ctx, grad):
-        e, e_head, scale, valid = ctx.saved_tensors
+    def backward(ctx, grad, _grad_share):
+        e, e_head, scale, valid, share = ctx.saved_tensors
         g = (grad * scale).unsqueeze(1)
         grad_cand = e * g
         grad_cand[:, 0].sub_(grad * valid)
-        return None if e_head is None else e_head * g, grad_cand, None, None, None, None
+        if share is not None:  # the expected tail gradient's sampled part: each draw gives share / M back
+            grad_cand[:, 1:].sub_((grad * share).div_(e.shape[1] - 1).unsqueeze(1))
+        return None if e_head is None else e_head * g, grad_cand, None, None, None, None, None
 
 
 def sampled_softmax_terms(
@@ -141,8 +149,10 @@ def sampled_softmax_terms(
     target_adj: torch.Tensor | None,
     value_adj: torch.Tensor | None,
     valid: torch.Tensor,
-) -> torch.Tensor:
-    """(T,) float32 per-token sampled-softmax losses (see :class:`SampledSoftmaxTerms`).
+    tail_control: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(T,) float32 per-token sampled-softmax losses (see :class:`SampledSoftmaxTerms`), and with ``tail_control``
+    the draws' share of each token's softmax (T,) float32 (0 at ignored tokens, no gradient), else None.
 
     Args:
         head: (T, H) float32 logits scored exactly (H may be 0); cand: (T, R) float32 candidate logits, the
@@ -150,5 +160,7 @@ def sampled_softmax_terms(
         target_adj: (T,) float32 correction of the label's logit in the target, or None for none.
         value_adj: (T, R) float32 corrections of the value's terms, or None: the value is the objective.
         valid: (T,) bool, False at ignored tokens (loss and gradient 0).
+        tail_control: each of the R - 1 draws gives share / (R - 1) of its gradient back, the sampled part of the
+            expected tail gradient (:mod:`hf_midx.tail_gradient`), whose expected part the caller adds.
     """
-    return SampledSoftmaxTerms.apply(head, cand, adj, target_adj, value_adj, valid)
+    return SampledSoftmaxTerms.apply(head, cand, adj, target_adj, value_adj, valid, tail_control)

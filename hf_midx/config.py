@@ -116,10 +116,9 @@ class MidxConfig:
     estimator: str = field(
         default=defaults.ESTIMATOR,
         metadata={
-            "help": f"How the label's logit enters the sampled softmax; one of {ESTIMATORS}. 'exact-positive': "
-            "as is (the paper's text; trained long without an exact head it settles far from the full softmax's "
-            "optimum, see synthetic_convergence.py); 'corrected-positive' (default): the label is one more "
-            "candidate corrected by its own log q (Jean et al. 2015, TensorFlow, the paper's reference code)."
+            "help": f"How the label's logit enters the sampled softmax; one of {ESTIMATORS}. 'corrected-positive' "
+            "(default): one more candidate corrected by its own log q (Jean et al. 2015, TensorFlow); "
+            "'exact-positive': as is (the paper's text; without an exact head it trains worse)."
         },
     )
     exact_head: int = field(
@@ -129,6 +128,13 @@ class MidxConfig:
             "token with one (T, H) matmul and excluded from the proposal, which then only estimates the tail's "
             "share of the partition function. 0: off. At most V/8: a larger value is lowered to V/8 (with a "
             "warning, see for_vocabulary). Needs class_counts (without them it is off, with a warning)."
+        },
+    )
+    tail_gradient: str = field(
+        default=defaults.TAIL_GRADIENT,
+        metadata={
+            "help": "'expected': every tail class gets its expected gradient under the proposal each step "
+            "(unbiased; hf_midx.tail_gradient); 'sampled': only the drawn ones."
         },
     )
     kernels: str = field(
@@ -197,6 +203,8 @@ class MidxConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.sampler, str) or self.sampler not in SAMPLERS:
             raise ValueError(f"Unknown sampler {self.sampler!r}; choose one of: {', '.join(sorted(SAMPLERS))}.")
+        if self.tail_gradient not in defaults.TAIL_GRADIENTS:
+            raise ValueError(f"tail_gradient must be one of {defaults.TAIL_GRADIENTS}, got {self.tail_gradient!r}.")
         if self.negatives not in NEGATIVE_MODES:
             raise ValueError(f"negatives must be one of {NEGATIVE_MODES}, got {self.negatives!r}.")
         if self.num_samples is None:

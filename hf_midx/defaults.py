@@ -34,6 +34,10 @@ UNIGRAM_POWER = 1.0
 #: How the sampled softmax draws its negatives: each token its own, or one pool per batch.
 NEGATIVE_MODES = ("per-query", "shared")
 NEGATIVES = "per-query"
+#: How the per-query sampled softmax moves the tail classes (see :mod:`hf_midx.tail_gradient`): every one by its
+#: expectation under the proposal plus the draws' deviation from it, or only the drawn ones.
+TAIL_GRADIENTS = ("expected", "sampled")
+TAIL_GRADIENT = "expected"
 #: How the label's logit enters the sampled softmax (see :mod:`hf_midx.loss`).
 ESTIMATORS = ("exact-positive", "corrected-positive")
 ESTIMATOR = "corrected-positive"

@@ -188,8 +188,8 @@ class MidxLMHead(nn.Module):
                 cfg, sampler = self.config, self._sampler_on(weight.device)
                 loss = sampled_softmax_loss(
                     h, weight, y, sampler, cfg.num_samples, negatives=cfg.negatives,
-                    remove_accidental_hits=cfg.remove_accidental_hits, check_labels=False,
-                    estimator=cfg.estimator, exact_ids=sampler.excluded, kernels=cfg.kernels,
+                    remove_accidental_hits=cfg.remove_accidental_hits, check_labels=False, estimator=cfg.estimator,
+                    exact_ids=sampler.excluded, kernels=cfg.kernels, tail_gradient=cfg.tail_gradient,
                     **options,  # excluded: on the sampler's device
                 )
                 self.step_data.record(raw, y, ignore_index, loss)

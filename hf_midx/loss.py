@@ -12,17 +12,14 @@ For token t with label y, negatives j ~ Q(. | z_t) over the classes outside H, a
 With H empty the first form is the paper's estimator (the sum estimates the partition function
 without bias, the positive exact); the second is invariant to n and to the normalization of Q.
 
-Accidental hits (a negative equal to the label) are dropped from the first form's sum, which then
-estimates the partition function without the label's term, and kept in the second: there the sum over
-the candidates is a self-normalized importance-sampling estimate of Z in which a draw of the label is
-an ordinary term, and dropping it biases Z low by about the label's share of Q, so that the label's
-probability reads too high. That bias grows as Q approaches the model's softmax: trained to convergence
-without an exact head at V = 2,000 it left MIDX 6.1% above the full softmax, 0.5% once the hits are kept
-(``recipes/benchmarks/synthetic_convergence.py``). With
-H the n-scaled tail estimate adds to the exact head mass, so the proposal only has to estimate the
-tail's share of the partition function. Neither path ever builds a (T, V) tensor, and the training
-path reads nothing back to the host: ignored tokens are masked, not removed, so every shape is known
-from the inputs' shapes alone.
+Accidental hits (a negative equal to the label) are dropped from the first form's sum and kept in the
+second, a self-normalized importance-sampling estimate of Z in which a draw of the label is an ordinary
+term: dropping it biases Z low by about the label's share of Q (trained to convergence without an exact
+head at V = 2,000, MIDX ended 6.1% above the full softmax with the hits dropped, 0.5% with them kept).
+With H the n-scaled tail estimate adds to the exact head mass, so the proposal only estimates the tail's
+share of Z. No path builds a (T, V) tensor or reads back to the host: ignored tokens are masked.
+By default (``tail_gradient="expected"``) the draws' share of the gradient is also spread over every
+tail class by its expectation under Q (:mod:`hf_midx.tail_gradient`), which leaves value and mean alone.
 
 The value and the gradient. The gradient of :func:`sampled_softmax_loss` is always the estimator's above.
 Its value, by default (``exact_value=True``), is instead an estimate of the exact cross-entropy from the
@@ -53,6 +50,7 @@ from ._checks import check_ids, check_matrix, check_positive_int
 from ._ops import soft_cap
 from .candidate_logits import candidate_logits, sampled_softmax_terms
 from .defaults import ESTIMATORS, KERNEL_MODES, NEGATIVE_MODES  # noqa: F401 (the label's logit; the negatives)
+from .tail_gradient import expected_share
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -96,9 +94,7 @@ def _reduce(per_token: torch.Tensor, valid: torch.Tensor, reduction: str) -> tor
 def drops_accidental_hits(remove_accidental_hits: bool | None, estimator: str) -> bool:
     """Whether the loss drops a negative equal to the label: the setting, or for None the estimator's
     unbiased choice (True for "exact-positive", False for "corrected-positive"; see the module docstring)."""
-    if remove_accidental_hits is None:
-        return estimator == "exact-positive"
-    return remove_accidental_hits
+    return estimator == "exact-positive" if remove_accidental_hits is None else remove_accidental_hits
 
 
 def sampled_softmax_loss(
@@ -119,6 +115,7 @@ def sampled_softmax_loss(
     exact_ids: torch.Tensor | None = None,
     check_labels: bool = True,
     exact_value: bool = True,
+    tail_gradient: str = defaults.TAIL_GRADIENT,
     kernels: str = "eager",
 ) -> torch.Tensor:
     """Sampled-softmax cross-entropy corrected by the proposal (an estimator of the full loss).
@@ -158,6 +155,9 @@ def sampled_softmax_loss(
             loss has no graph break.
         exact_value: return as the value an estimate of the exact cross-entropy (the default), with the
             gradient of the sampled objective; False returns the objective itself (see the module docstring).
+        tail_gradient: "expected": every tail class gets its expected gradient under the proposal plus the
+            draws' deviation from it (:mod:`hf_midx.tail_gradient`: same value, unbiased; per-query negatives,
+            MIDX/unigram/uniform proposals, no soft-cap, hits kept); "sampled": only the drawn classes.
         kernels: how the loss is computed from the draws. "eager" (the default here): plain PyTorch, the
             reference. "fused": per-query negatives through :func:`hf_midx.kernels.candidate_loss`'s Triton
             kernels, on the same draws (CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``; ValueError
@@ -181,6 +181,8 @@ def sampled_softmax_loss(
             "remove_accidental_hits must be True, False or None (the estimator's choice), "
             f"got {remove_accidental_hits!r}."
         )
+    if tail_gradient not in defaults.TAIL_GRADIENTS:
+        raise ValueError(f"tail_gradient must be one of {defaults.TAIL_GRADIENTS}, got {tail_gradient!r}.")
     if not isinstance(exact_value, bool):
         raise ValueError(f"exact_value must be True or False, got {exact_value!r}.")
     if kernels not in KERNEL_MODES:
@@ -226,6 +228,8 @@ def sampled_softmax_loss(
     # One evaluation of the proposal gives the draws and, for the corrected positive, the label's log q.
     corrected = estimator == "corrected-positive"
     drops = drops_accidental_hits(remove_accidental_hits, estimator)
+    expected_tail = tail_gradient == "expected" and negatives == "per-query" and not drops and logit_softcap is None
+    factors = sampler.proposal_factors(queries) if expected_tail else None  # None: no closed form, sampled
     if negatives == "per-query":
         if corrected:
             ids, log_q, log_q_pos = sampler.draw_scored(queries, num_samples, y.unsqueeze(1), generator=generator)
@@ -238,12 +242,15 @@ def sampled_softmax_loss(
 
             # The same draws, estimator and head: the kernels take the sorted head (excluded equals exact_ids'
             # set, checked above) and mask the ignored tokens themselves; the labels were range-checked above.
-            return candidate_loss(
+            out = candidate_loss(
                 hidden, weight, labels, ids, log_q, log_q_pos, bias=bias,
                 head_ids=excluded.to(device) if num_exact else None, ignore_index=ignore_index,
                 logit_softcap=logit_softcap, corrected_positive=corrected, remove_accidental_hits=drops,
-                exact_value=exact_value, reduction=reduction, backend="fused",
+                exact_value=exact_value, reduction=reduction, backend="fused", tail_control=factors is not None,
             )
+            # The kernels gave each draw's share back (out[1]); the expected part is added here.
+            return out if factors is None else out[0] + _reduce(
+                expected_share(factors, hidden, weight, bias, out[1]), valid, reduction)
         rows = torch.cat([y.unsqueeze(1), ids], dim=1)  # (T, 1 + M)
         hits = ids == y.unsqueeze(1)
     else:
@@ -298,7 +305,9 @@ def sampled_softmax_loss(
         tail = torch.rsub(log_q, -math.log(num_samples))  # (T, M), or (1, P) for a pool
         tail = tail.masked_fill_(hits, -math.inf) if tail.shape == hits.shape else tail.masked_fill(hits, -math.inf)
         value_adj = torch.cat([pos_value.unsqueeze(1), tail], dim=1)
-    per_token = sampled_softmax_terms(head, cand, adj, target_adj, value_adj, valid)
+    per_token, share = sampled_softmax_terms(head, cand, adj, target_adj, value_adj, valid, factors is not None)
+    if factors is not None:  # the draws gave their share back; each tail class gets its expected part
+        per_token = per_token + expected_share(factors, hidden, weight, bias, share)
     return _reduce(per_token, valid, reduction)
 
 
@@ -388,12 +397,7 @@ def full_softmax_loss(
         ).float()
     else:
         per_token = _chunked_ce(hidden, weight, bias, labels, ignore_index, logit_softcap, chunk_size)
-    if reduction == "none":
-        return per_token
-    total = per_token.sum()  # a no-op on the fused sum (0-dim)
-    if reduction == "sum":
-        return total
-    return total / (labels != ignore_index).sum().clamp_min(1)
+    return _reduce(per_token, labels != ignore_index, reduction)  # the fused 0-dim sum passes through .sum()
 
 
 def _token_chunk(num_classes: int, chunk_size: int | None) -> int:

@@ -70,6 +70,9 @@ class FixedDraws:
     def draw_scored(self, queries, num_samples, ids, generator=None):
         return self.ids, self.log_q, self.log_q_pos
 
+    def proposal_factors(self, queries):
+        return None  # draws from a table the loss does not see: the sampled tail gradient
+
 
 Case = collections.namedtuple("Case", "hidden weight bias labels ids log_q log_q_pos head")
 
@@ -118,6 +121,7 @@ def fused(case, blocks=None, **kw):
             case.log_q_pos.float() if kw.get("corrected_positive", True) else None, case.head, -100,
             kw.get("logit_scale", 1.0), kw.get("logit_softcap"), kw.get("corrected_positive", True),
             kw.get("remove_accidental_hits", False), kw.get("exact_value", True), kw.get("reduction", "mean"), blocks,
+            kw.get("tail_control", False),
         )
     return candidate_loss(
         case.hidden, case.weight, case.labels, case.ids, case.log_q, case.log_q_pos, bias=case.bias,
@@ -152,11 +156,12 @@ def truth(case, **kw):
 
 
 def reference(case, logit_scale=1.0, logit_softcap=None, corrected_positive=True, remove_accidental_hits=False,
-              exact_value=True, reduction="mean"):
+              exact_value=True, reduction="mean", tail_control=False):
     return candidate_loss_reference(
         case.hidden, case.weight, case.labels, case.ids, case.log_q, case.log_q_pos, bias=case.bias,
         head_ids=case.head, ignore_index=-100, logit_scale=logit_scale, logit_softcap=logit_softcap,
         corrected=corrected_positive, drop_hits=remove_accidental_hits, exact_value=exact_value, reduction=reduction,
+        tail_control=tail_control,
     )
 
 
@@ -241,6 +246,29 @@ def test_options_fp32(shape, options):
 
 
 @interpreted
+@pytest.mark.parametrize("blocks", [None, Blocks(t=16, d=16, h=16, v=64, p=16)])
+def test_tail_control_gives_each_draw_its_share_back(blocks):
+    """tail_control (the expected tail gradient's sampled part): the share per token and the gradients
+    equal the reference's; without it the gradients differ."""
+    case = make_case(90, 1200, 32, 8, 40, seed=6)
+    got = {}
+    for name, fn, kw in (("fused", fused, dict(blocks=blocks)), ("reference", reference, {}),
+                         ("plain", fused, dict(blocks=blocks, tail_control=False))):
+        for x in (case.hidden, case.weight, case.bias):
+            x.grad = None
+        out = fn(case, **{"tail_control": True, "reduction": "sum", **kw})
+        loss, share = out if isinstance(out, tuple) else (out, None)
+        loss.backward()
+        got[name] = [loss.detach().double(), *(x.grad.double() for x in (case.hidden, case.weight, case.bias))]
+        got[name + "_share"] = share
+    check_fp32(got["fused"], got["reference"], tol=1e-5)
+    torch.testing.assert_close(got["fused_share"], got["reference_share"], rtol=1e-5, atol=1e-7)
+    assert got["fused_share"].min() >= 0 and got["fused_share"].max() <= 1 and got["fused_share"].sum() > 0
+    assert float(got["fused"][0]) == float(got["plain"][0])  # the value is untouched
+    assert rel_err(got["plain"][2], got["fused"][2]) > 1e-3
+
+
+@interpreted
 def test_small_tiles_cover_every_mask():
     """Tiles smaller than every dimension: several programs, partial D / head / class / pair blocks."""
     case = make_case(70, 500, 40, 5, 20, seed=3)
@@ -275,7 +303,7 @@ def test_midx_draws():
 
     def eager_midx(c):  # the loss draws for itself, from the same counter
         return sampled_softmax_loss(c.hidden, c.weight, c.labels, sampler, 20, bias=c.bias, exact_ids=sampler.excluded,
-                                    generator=CounterRNG(7), check_labels=False)
+                                    generator=CounterRNG(7), check_labels=False, tail_gradient="sampled")
 
     check_fp32(got, run(eager_midx, case))
 
@@ -352,12 +380,12 @@ def test_kernels_compile_for_sm90():
         log_q_pos_ptr="*fp32", head_ids_ptr="*i64", head_raw_ptr="*bf16", loss_ptr="*fp32", rows_ptr="*i32",
         g_cand_ptr="*fp32", g_head_ptr="*fp32", gscale_ptr="*fp32", base_ptr="*bf16", out_ptr="*bf16",
         keys_ptr="*i32", order_ptr="*i64", grad_weight_ptr="*bf16", grad_bias_ptr="*bf16", stats_ptr="*fp32",
-        scale="fp32", softcap="fp32", state_ptr="*i64",
+        scale="fp32", softcap="fp32", state_ptr="*i64", share_ptr="*fp32",
     )
     b = Blocks.choose(8192, 640, 21, interpreted=False)  # what a GPU runs at the Gemma-3-270M shape, M = 20
     kernels = [
         (k.candidate_forward_kernel, dict(HAS_BIAS=True, SOFTCAP=True, CORRECTED=True, DROP_HITS=True, EXACT_VALUE=True,
-                                          SEARCH_STEPS=12, BLOCK_T=b.t, BLOCK_R=32, BLOCK_D=b.d, BLOCK_H=b.h)),
+                                          TAIL_CONTROL=True, SEARCH_STEPS=12, BLOCK_T=b.t, BLOCK_R=32, BLOCK_D=b.d, BLOCK_H=b.h)),
         (k.candidate_grad_hidden_kernel, dict(HAS_BASE=True, BLOCK_T=b.t, BLOCK_R=32, BLOCK_D=b.d)),
         (k.candidate_grad_weight_kernel, dict(HAS_BIAS=True, BLOCK_V=b.v, BLOCK_P=b.p, BLOCK_D=b.d)),
         (c.counter_rand_kernel, dict(F64=False, BLOCK=1024)),

@@ -70,12 +70,12 @@ def _head_tile(
 def candidate_forward_kernel(
     hidden_ptr, weight_ptr, bias_ptr, labels_ptr, ids_ptr, log_q_ptr, log_q_pos_ptr,
     head_ids_ptr, head_raw_ptr,
-    loss_ptr, stats_ptr, rows_ptr, g_cand_ptr, g_head_ptr,
+    loss_ptr, stats_ptr, rows_ptr, g_cand_ptr, g_head_ptr, share_ptr,
     T, D, M, H,
     stride_hidden, stride_weight, stride_head_raw,
     ignore_index, scale, softcap,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, CORRECTED: tl.constexpr, DROP_HITS: tl.constexpr,
-    EXACT_VALUE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    EXACT_VALUE: tl.constexpr, TAIL_CONTROL: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """One program per BLOCK_T tokens: the candidates' logits, the logsumexp with the exact head, the
@@ -85,7 +85,8 @@ def candidate_forward_kernel(
     Writes loss (T,) f32 (0 at ignored tokens), stats (programs, 2) f32 (this block's loss sum and
     number of valid tokens, for the reduction), rows (T, R) int32 (the label, then the negatives),
     g_cand (T, R) f32 and g_head (T, H) f32 (may alias head_raw when that is float32: each element
-    is read before this program writes it).
+    is read before this program writes it). With TAIL_CONTROL, share (T,) f32: the draws' share of the softmax
+    (0 at ignored tokens), and each draw's gradient less share / M (the expected tail gradient's sampled part).
     """
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -188,6 +189,10 @@ def candidate_forward_kernel(
     # d loss_t / d term = softmax(term) - [term is the target]; the target is always column 0's logit.
     keep = valid[:, None]
     g = tl.exp(term - lse[:, None]) - tl.where(is_pos, 1.0, 0.0)
+    if TAIL_CONTROL:
+        share = tl.sum(tl.where(is_neg & keep, g, 0.0), axis=1)
+        g = g - tl.where(is_neg, share[:, None] / M, 0.0)
+        tl.store(share_ptr + t, share, mask=t_ok)
     g = tl.where(keep & cand_ok, g * do_dx, 0.0)
     tl.store(g_cand_ptr + t64[:, None] * R + r[None, :], g, mask=cand_ok)
     for c0 in range(0, H, BLOCK_H):

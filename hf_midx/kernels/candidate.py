@@ -80,7 +80,7 @@ class FusedCandidateLoss(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, hidden, weight, bias, labels, ids, log_q, log_q_pos, head_ids,
-        ignore_index, logit_scale, logit_softcap, corrected, drop_hits, exact_value, reduction, blocks,
+        ignore_index, logit_scale, logit_softcap, corrected, drop_hits, exact_value, reduction, blocks, tail_control,
     ):
         num_tokens, dim = hidden.shape
         m = ids.shape[1]
@@ -105,9 +105,10 @@ class FusedCandidateLoss(torch.autograd.Function):
         stats = torch.empty((programs, 2), device=device, dtype=f32)  # per block: loss sum, valid tokens
         rows = torch.empty((num_tokens, rows_per_token), device=device, dtype=torch.int32)
         g_cand = torch.empty((num_tokens, rows_per_token), device=device, dtype=f32)
+        share = torch.empty(num_tokens, device=device, dtype=f32) if tail_control else None
         torch.ops.hf_midx.candidate_forward(
             hidden, weight, bias, labels, ids, log_q, log_q_pos, head_ids, head_raw, g_head,
-            per_token, stats, rows, g_cand,
+            per_token, stats, rows, g_cand, share,
             [int(ignore_index), blocks.t, blocks.d, min(blocks.h, _pow2(num_head)), blocks.warps],
             [float(logit_scale), float(logit_softcap or 1.0)],
             # The paper's estimator with the hits dropped is the value estimate already.
@@ -128,11 +129,14 @@ class FusedCandidateLoss(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, w_head, head_ids, rows, g_cand, g_head, count)
         ctx.num_head, ctx.blocks = num_head, blocks
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return out
+        if not tail_control:
+            return out
+        ctx.mark_non_differentiable(share)
+        return out, share
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_share=None):
         hidden, weight, w_head, head_ids, rows, g_cand, g_head, count = ctx.saved_tensors
         blocks = ctx.blocks
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -164,13 +168,13 @@ class FusedCandidateLoss(torch.autograd.Function):
                     grad_bias.index_add_(0, head_ids, g_head_scaled.sum(0).to(grad_bias.dtype))
             if not need_w:
                 grad_weight = None
-        return (grad_hidden, grad_weight, grad_bias) + (None,) * 13
+        return (grad_hidden, grad_weight, grad_bias) + (None,) * 14
 
 
 # ====================================================================== eager reference
 def candidate_loss_reference(
     hidden, weight, labels, ids, log_q, log_q_pos, *, bias, head_ids, ignore_index, logit_scale, logit_softcap,
-    corrected, drop_hits, exact_value, reduction,
+    corrected, drop_hits, exact_value, reduction, tail_control=False,
 ):
     """The same loss in plain differentiable PyTorch (autograd does the backward): the reference of the
     fused kernels and their CPU fallback. Logits in float32 (float64 for float64 inputs), as the
@@ -205,7 +209,14 @@ def candidate_loss_reference(
     if drop_hits:
         neg = neg.masked_fill(ids == y.unsqueeze(1), -math.inf)
     terms = torch.cat([oh, target.masked_fill(in_head, -math.inf).unsqueeze(1), neg], dim=1)
-    per_token = torch.logsumexp(terms, dim=1) - target
+    log_z = torch.logsumexp(terms, dim=1)
+    per_token = log_z - target
+    share = None
+    if tail_control:
+        # The expected tail gradient's sampled part (hf_midx.tail_gradient): each draw gives back share / M.
+        share = torch.where(valid, (neg - log_z.unsqueeze(1)).exp().sum(1), torch.zeros_like(log_z)).detach()
+        control = share * o[:, 1:].mean(1)
+        per_token = per_token - (control - control.detach())
     if exact_value:
         # The exact-loss estimate (hits dropped, M draws corrected by log M + log q) with the objective's gradient.
         tail = (o[:, 1:] - (math.log(m) + log_q.to(acc))).masked_fill(ids == y.unsqueeze(1), -math.inf)
@@ -213,9 +224,11 @@ def candidate_loss_reference(
         per_token = per_token + (value - per_token).detach()
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token)).float()
     if reduction == "none":
-        return per_token
-    total = per_token.sum()
-    return total if reduction == "sum" else total / valid.sum().clamp_min(1)
+        out = per_token
+    else:
+        total = per_token.sum()
+        out = total if reduction == "sum" else total / valid.sum().clamp_min(1)
+    return out if share is None else (out, share.float())
 
 
 def _finish(x, scale, cap):
@@ -242,7 +255,8 @@ def candidate_loss(
     exact_value: bool = True,
     reduction: str = "mean",
     backend: str = "auto",
-) -> torch.Tensor:
+    tail_control: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-query sampled-softmax loss of drawn negatives, with the exact head (see the module docstring).
 
     No host sync and no (T, V) tensor. The defaults are the default training head's estimator
@@ -272,10 +286,17 @@ def candidate_loss(
         reduction: "mean" over non-ignored tokens, "sum", or "none" ((T,), 0 at ignored tokens).
         backend: "fused" (Triton: CUDA tensors, or any under ``TRITON_INTERPRET=1``), "eager"
             (:func:`candidate_loss_reference`), or "auto": fused on CUDA when Triton imports.
+        tail_control: the sampled part of the expected tail gradient (:mod:`hf_midx.tail_gradient`): each
+            draw's gradient less share_t / M, where share_t is the draws' share of token t's softmax; the
+            caller adds the expected part, the gradient of share_t * E_Q[o_t] (value 0). Needs no soft-cap and
+            ``remove_accidental_hits=False``.
     Returns:
-        float32 scalar, or (T,) for "none".
+        float32 scalar, or (T,) for "none"; with ``tail_control``, (that, share (T,) float32, 0 at ignored
+        tokens, no gradient).
     """
     _validate(hidden, weight, labels, ids, log_q, log_q_pos, bias, head_ids, corrected_positive, reduction, backend)
+    if tail_control and (logit_softcap is not None or remove_accidental_hits):
+        raise ValueError("tail_control needs logit_softcap=None and remove_accidental_hits=False.")
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)  # one dtype for the products, as sampled_softmax_loss does
     if backend == "auto":
@@ -289,11 +310,12 @@ def candidate_loss(
             None if not corrected_positive else log_q_pos.float().contiguous(),
             head_ids, int(ignore_index), float(logit_scale), logit_softcap,
             bool(corrected_positive), bool(remove_accidental_hits), bool(exact_value), reduction, None,
+            bool(tail_control),
         )
     return candidate_loss_reference(
         hidden, weight, labels, ids, log_q, log_q_pos, bias=bias, head_ids=head_ids, ignore_index=ignore_index,
         logit_scale=logit_scale, logit_softcap=logit_softcap, corrected=corrected_positive,
-        drop_hits=remove_accidental_hits, exact_value=exact_value, reduction=reduction,
+        drop_hits=remove_accidental_hits, exact_value=exact_value, reduction=reduction, tail_control=tail_control,
     )
 
 

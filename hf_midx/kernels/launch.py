@@ -68,17 +68,18 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @torch.library.custom_op(
-    f"{_LIB}::candidate_forward", mutates_args=("head_raw", "g_head", "per_token", "stats", "rows", "g_cand"),
+    f"{_LIB}::candidate_forward",
+    mutates_args=("head_raw", "g_head", "per_token", "stats", "rows", "g_cand", "share"),
 )
 def candidate_forward(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, ids: Tensor, log_q: Tensor,
     log_q_pos: Tensor | None, head_ids: Tensor | None, head_raw: Tensor | None, g_head: Tensor | None,
-    per_token: Tensor, stats: Tensor, rows: Tensor, g_cand: Tensor,
+    per_token: Tensor, stats: Tensor, rows: Tensor, g_cand: Tensor, share: Tensor | None,
     ints: list[int], floats: list[float], flags: list[bool],
 ) -> None:
     """The forward kernel: ints = [ignore_index, BLOCK_T, BLOCK_D, BLOCK_H, warps], floats = [scale, cap],
     flags = [has softcap, corrected, drop hits, exact value]. The head's logit gradient goes into ``g_head``,
-    or over ``head_raw`` where it is None (both float32)."""
+    or over ``head_raw`` where it is None (both float32). With ``share`` (T,) float32, the tail control."""
     ignore_index, block_t, block_d, block_h, warps = ints
     softcap, corrected, drop_hits, exact_value = flags
     num_tokens, dim = hidden.shape
@@ -91,12 +92,12 @@ def candidate_forward(
     _kernels().candidate_forward_kernel[(_cdiv(num_tokens, block_t),)](
         hidden, weight, bias if bias is not None else hidden, labels, ids, log_q,
         log_q_pos if log_q_pos is not None else log_q, head_ids, head_raw,
-        per_token, stats, rows, g_cand, g_head,
+        per_token, stats, rows, g_cand, g_head, share if share is not None else per_token,
         num_tokens, dim, m, num_head,
         hidden.stride(0), weight.stride(0), head_raw.stride(0) if num_head else 0,
         ignore_index, floats[0], floats[1],
         HAS_BIAS=bias is not None, SOFTCAP=softcap, CORRECTED=corrected, DROP_HITS=drop_hits,
-        EXACT_VALUE=exact_value, SEARCH_STEPS=max(0, num_head).bit_length(),
+        EXACT_VALUE=exact_value, TAIL_CONTROL=share is not None, SEARCH_STEPS=max(0, num_head).bit_length(),
         BLOCK_T=block_t, BLOCK_R=_pow2(m + 1), BLOCK_D=block_d, BLOCK_H=block_h, num_warps=warps,
     )
 

@@ -20,7 +20,7 @@ sampled id never gets a -inf or NaN log-probability.
 from __future__ import annotations
 
 import math
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, NamedTuple
 
 import torch
 
@@ -28,6 +28,23 @@ from .. import defaults
 from .._checks import check_ids, check_matrix, check_positive_int
 from .._ops import row_chunks
 from ..rng import CounterRNG, as_counter_rng
+
+class ProposalFactors(NamedTuple):
+    """A proposal in the closed form the expected tail gradient needs (see :mod:`hf_midx.tail_gradient`):
+
+    Q(i | z_t) = probs[t, bucket[i]] * member[i] + static[i]
+
+    probs: (T, B) float32 per-query bucket probabilities, or None (a static proposal); bucket: (V,) int64 in
+    [0, B); member: (V,) float32 a class's share of its bucket (times the mixture's weight); static: (V,)
+    float32 or None, the query-independent part (times its weight). Both are 0 at the classes the proposal
+    never draws.
+    """
+
+    probs: torch.Tensor | None
+    bucket: torch.Tensor | None
+    member: torch.Tensor | None
+    static: torch.Tensor | None
+
 
 def mixture_log_prob(
     log_prob_rows: Callable[[slice], torch.Tensor], num_queries: int, num_ids: int, log_w: torch.Tensor | None
@@ -117,6 +134,20 @@ class Sampler:
         """log Q(. | z) over all classes, (T, V) float32. O(T V): for tests and diagnostics only."""
         q = self.checked_queries(queries)
         return self.score(q, torch.arange(self.num_classes, device=self.device).expand(q.shape[0], -1))
+
+    def proposal_factors(self, queries: torch.Tensor) -> ProposalFactors | None:
+        """Q over all classes for each of the (T, D) float32 ``queries`` (unchecked: the loss passes its own),
+        as :class:`ProposalFactors`; None when the proposal has no such form (then the loss keeps its sampled
+        tail gradient)."""
+        return None
+
+    def _globalize(self, local: torch.Tensor, fill: float) -> torch.Tensor:
+        """A (V, ...) table of per-class values from the (V', ...) candidates' ones, ``fill`` for the excluded ones."""
+        if self.candidates is None:
+            return local
+        out = torch.full((self.num_classes, *local.shape[1:]), fill, dtype=local.dtype, device=self.device)
+        out[self.candidates] = local
+        return out
 
     def refresh(self, embeddings: torch.Tensor) -> None:
         """Rebuild the proposal's tables from the current (V, D) class embeddings (in place)."""

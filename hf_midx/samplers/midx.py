@@ -35,7 +35,7 @@ from ..index import MidxIndex
 from ..quantizers import QUANTIZERS
 from ..registry import register
 from ..rng import as_counter_rng
-from .base import Sampler, mixture_log_prob
+from .base import ProposalFactors, Sampler, mixture_log_prob
 from .counts import check_counts, check_unigram_options, unigram_log_table
 
 
@@ -241,14 +241,8 @@ class MidxQuantizedSampler(MidxSampler):
             logs.append(self._log_static + math.log(a))
         self._class_logs = self._globalize(torch.stack(logs, dim=1), -math.inf)
         self._order = self._to_global(idx.order)  # the classes in CSR order, as global ids
-
-    def _globalize(self, local: torch.Tensor, fill: float) -> torch.Tensor:
-        """A (V, ...) table of per-class values from the (V', ...) candidates' ones, ``fill`` for the excluded ones."""
-        if self.candidates is None:
-            return local
-        out = torch.full((self.num_classes, *local.shape[1:]), fill, dtype=local.dtype, device=self.device)
-        out[self.candidates] = local
-        return out
+        # proposal_factors: the member and static columns as probabilities (0 at excluded classes).
+        self._class_probs = self._class_logs.exp()
 
     # -- the proposal
     def _scores(self, q: torch.Tensor):
@@ -326,14 +320,11 @@ class MidxQuantizedSampler(MidxSampler):
         _, joint, log_z, _ = self._scores(q)
         return self._log_q(joint, log_z, self._to_global(ids))
 
-    def _log_prob_shared(self, q, ids, log_w):
-        # qbar(i) = sum_t w_t Q(i | z_t): T x N gathers from the T x K*K bucket logits, chunked over queries.
-        _, joint, log_z, _ = self._scores(q)
-        ids = self._to_global(ids)
-        bucket = self._class_bucket[ids]
-        out = mixture_log_prob(lambda rows: joint[rows][:, bucket] - log_z[rows], q.shape[0], ids.shape[0], log_w)
-        # The last-stage share and the static component are the same for every query: outside the sum over t.
-        return self._mixed(out, ids)
+    def proposal_factors(self, queries):
+        _, joint, log_z, _ = self._scores(self._queries(queries))
+        probs = (joint - log_z).exp()  # (T, K*K); an empty bucket's joint is -inf
+        static = self._class_probs[:, 1] if self._class_probs.shape[1] > 1 else None
+        return ProposalFactors(probs, self._class_bucket, self._class_probs[:, 0], static)
 
 
 @register

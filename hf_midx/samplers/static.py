@@ -8,7 +8,7 @@ import torch
 
 from .. import defaults
 from ..registry import register
-from .base import Sampler
+from .base import ProposalFactors, Sampler
 from .counts import check_counts, check_unigram_options, unigram_log_table
 
 
@@ -32,6 +32,10 @@ class UniformSampler(Sampler):
     def _log_prob(self, q, ids):
         return torch.full(ids.shape, -math.log(self.num_candidates), device=self.device)
 
+    def proposal_factors(self, queries):
+        static = self._globalize(torch.full((self.num_candidates,), 1.0 / self.num_candidates, device=self.device), 0.0)
+        return ProposalFactors(None, None, None, static)
+
 
 class _TableSampler(Sampler):
     """A static proposal given by a (V',) table of log-probabilities ``log_table``."""
@@ -46,6 +50,10 @@ class _TableSampler(Sampler):
     def _after_load(self) -> None:
         # float64 cumulative sum: inverse-CDF draws (no sync, unlike some multinomial paths) over V'.
         self._cum = self.log_table.double().exp().cumsum(0)
+        self._probs_all = self._globalize(self.log_table.exp(), 0.0)  # (V,) float32, 0 at excluded classes
+
+    def proposal_factors(self, queries):
+        return ProposalFactors(None, None, None, self._probs_all)
 
     def _sample(self, q, m, gen):
         ids = gen.categorical(self._cum, m, cumulative=True, rows=q.shape[0])

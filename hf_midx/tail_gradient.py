@@ -1,0 +1,105 @@
+"""The expected tail gradient: every tail class moves at every step, by its expected share under the proposal.
+
+The sampled softmax's gradient puts weight pi_m = exp(neg_m - log Z) on each of a token's M draws and nothing on
+the other tail classes. In expectation over the draws that mass c = sum_m pi_m is spread over every tail class i
+by Q(i | z); a draw alone carries it in a few large, rare steps. Under Adam, whose step is the gradient over its
+running RMS, a row drawn at a rate r per step then moves about sqrt(r) as far as a row that gets its expected
+gradient every step: at V = 151,936 with M = 20 that is most of the vocabulary moving at a fraction of the full
+softmax's pace, and a short run lags it (a quarter higher perplexity at 100 steps).
+
+The control variate here keeps the estimator unbiased and gives each tail class its expectation: the gradient of
+``c * (E_Q[s] - mean_m s_m)`` (c detached, s the raw logits) adds c Q(i | z) to every tail class and takes c / M
+from each draw, zero in expectation, so the tail's gradient becomes its expectation under Q plus the draws'
+deviation from it (which vanishes when Q is the softmax). E_Q[s] = z . E_Q[w] + E_Q[b] comes in closed form from
+the proposal's factors (:class:`hf_midx.samplers.base.ProposalFactors`): for MIDX one (T, K*K) x (K*K, D) product
+with the buckets' row sums and the static component's mean row; the weight's gradient is a gather of a (K*K, D)
+table and a rank-one term, O(V D) like the weight gradient itself, with no (tokens x vocab) tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _bucket_means(probs, bucket, member, static, rows):
+    """(T or 1, C) float32 E_Q[rows[i] | z_t] from the factors, for (V, C) float32 rows."""
+    mean = None
+    if probs is not None:
+        sums = rows.new_zeros(probs.shape[1], rows.shape[1]).index_add_(0, bucket, rows * member.unsqueeze(1))
+        mean = torch.mm(probs, sums)
+    if static is not None:
+        spread = (static @ rows).unsqueeze(0)
+        mean = spread if mean is None else mean.add_(spread)
+    return mean
+
+
+def _spread(probs, bucket, member, static, g):
+    """(V, C) float32 sum_t Q(i | z_t) g[t] for every class i, for (T, C) float32 g: the transpose of the above."""
+    out = None
+    if probs is not None:
+        table = torch.mm(probs.t(), g)  # (B, C): each bucket's share of the tokens
+        out = torch.index_select(table, 0, bucket).mul_(member.unsqueeze(1))
+    if static is not None:
+        total = g.sum(0)
+        out = torch.outer(static, total) if out is None else out.addr_(static, total)
+    return out
+
+
+class _ExpectedLogit(torch.autograd.Function):
+    """E_Q[s_t] = z_t . E_Q[w] + E_Q[b] per token (T,) float32, with hand-written gradients (no (T, V) term)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, probs, bucket, member, static):
+        factors = (probs, bucket, member, static)
+        mean = _bucket_means(*factors, weight.float())  # (T or 1, D)
+        out = (hidden.float() * mean).sum(1)
+        mean_bias = None
+        if bias is not None:
+            mean_bias = _bucket_means(*factors, bias.float().unsqueeze(1)).squeeze(1)
+            out = out + mean_bias
+        ctx.save_for_backward(hidden, mean, probs, bucket, member, static)
+        ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, mean, probs, bucket, member, static = ctx.saved_tensors
+        factors = (probs, bucket, member, static)
+        needs = ctx.needs_input_grad
+        grad_hidden = grad_weight = grad_bias = None
+        if needs[0]:
+            grad_hidden = (grad.unsqueeze(1) * mean).to(hidden.dtype)
+        if needs[1]:
+            # d E_Q[s_t] / d w_i = Q(i | z_t) z_t: spread over the classes through the buckets.
+            grad_weight = _spread(*factors, grad.unsqueeze(1) * hidden.float()).to(ctx.weight_dtype)
+        if ctx.bias_dtype is not None and needs[2]:
+            grad_bias = _spread(*factors, grad.unsqueeze(1)).squeeze(1).to(ctx.bias_dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def expected_logit(factors, hidden, weight, bias=None) -> torch.Tensor:
+    """E_Q[o_t] = z_t . E_Q[w] + E_Q[b] per token under a proposal given by its factors.
+
+    Args:
+        factors: :class:`~hf_midx.samplers.base.ProposalFactors` of the (T, D) queries (the sampler's
+            :meth:`~hf_midx.Sampler.proposal_factors`).
+        hidden: (T, D) hidden states (autograd flows to them); weight: (V, D); bias: (V,) or None.
+    Returns:
+        (T,) float32, differentiable in hidden, weight and bias, with no (T, V) tensor made.
+    """
+    return _ExpectedLogit.apply(hidden, weight, bias, *factors)
+
+
+def expected_share(factors, hidden, weight, bias, share) -> torch.Tensor:
+    """(T,) float32 zeros with the gradient of share_t * E_Q[o_t] (share (T,) float32, no gradient): the expected
+    part, for a loss whose draws already give share_t / M back each (``tail_control`` of
+    :func:`~hf_midx.candidate_logits.sampled_softmax_terms` and of the fused kernels)."""
+    return zero_valued(share * expected_logit(factors, hidden, weight, bias))
+
+
+def zero_valued(x: torch.Tensor) -> torch.Tensor:
+    """x - x.detach(): value 0, the gradient of x."""
+    return x - x.detach()
+
+
+__all__ = ["expected_logit", "expected_share"]

@@ -1,0 +1,206 @@
+"""The expected tail gradient (hf_midx.tail_gradient): the proposal's closed form against a dense reference, an
+unchanged loss value, an unbiased and lower-variance gradient, the exact tail gradient where Q is the softmax,
+and every tail row moving at every step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_midx import MidxConfig, build_sampler, full_softmax_loss, sampled_softmax_loss
+from hf_midx.head import MidxLMHead
+from hf_midx.rng import CounterRNG
+from hf_midx.tail_gradient import expected_logit
+
+V, D, T = 1500, 12, 24
+
+
+def _setup(seed=0, dtype=torch.float64, scale=0.6):
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(V, D, generator=g) * scale).to(dtype)
+    bias = (torch.randn(V, generator=g) * 0.2).to(dtype)
+    counts = torch.randint(0, 50, (V,), generator=g)
+    return weight, bias, counts
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("midx-rq", {}),
+        ("midx-rq", {"last_stage": "frequency"}),
+        ("midx-pq", {"mix_weight": 0.0}),
+        ("midx-rq", {"mix_static": "uniform"}),
+        ("unigram", {}),
+        ("uniform", {}),
+    ],
+)
+@pytest.mark.parametrize("exclude", [False, True])
+def test_expected_logit_and_its_gradients_match_the_dense_proposal(name, options, exclude):
+    weight, bias, counts = _setup()
+    excluded = torch.arange(100, 250) if exclude else None
+    sampler = build_sampler(name, weight.float(), class_counts=counts, exclude=excluded, codebook_size=8, **options)
+    h = torch.randn(T, D, dtype=torch.float64)
+    grad_out = torch.randn(T, dtype=torch.float64)
+
+    leaves = [x.clone().requires_grad_() for x in (h, weight, bias)]
+    value = expected_logit(sampler.proposal_factors(h.float()), *leaves)
+    (value.double() * grad_out).sum().backward()
+
+    q = sampler.full_log_prob(h.float()).exp().double()  # (T, V): the reference, O(T V)
+    if exclude:
+        assert float(q[:, excluded].sum()) == 0.0
+    ref_leaves = [x.clone().requires_grad_() for x in (h, weight, bias)]
+    ref = (q * (ref_leaves[0] @ ref_leaves[1].t() + ref_leaves[2])).sum(1)
+    (ref * grad_out).sum().backward()
+    torch.testing.assert_close(value.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_samplers_without_a_closed_form_keep_the_sampled_gradient():
+    weight, _, counts = _setup(dtype=torch.float32)
+    for name in ("midx-exact", "lsh"):
+        sampler = build_sampler(name, weight, class_counts=counts)
+        assert sampler.proposal_factors(torch.randn(3, D)) is None
+
+
+def _loss(sampler, h, weight, y, tail, seed, **kw):
+    return sampled_softmax_loss(h, weight, y, sampler, 8, generator=CounterRNG(seed), tail_gradient=tail,
+                                exact_ids=sampler.excluded, **kw)
+
+
+def test_the_value_is_unchanged_and_only_the_gradient_moves():
+    weight, bias, counts = _setup(dtype=torch.float32)
+    sampler = build_sampler("midx-rq", weight, class_counts=counts, codebook_size=8, exclude=torch.arange(64))
+    h = torch.randn(T, D)
+    y = torch.randint(0, V, (T,))
+    grads = {}
+    for tail in ("expected", "sampled"):
+        w = weight.clone().requires_grad_()
+        loss = _loss(sampler, h, w, y, tail, 3, bias=bias)
+        loss.backward()
+        grads[tail] = (loss.item(), w.grad)
+    assert grads["expected"][0] == grads["sampled"][0]
+    moved = lambda g: int((g.abs().sum(1) > 0).sum())
+    assert moved(grads["sampled"][1]) < V // 2
+    assert moved(grads["expected"][1]) == V  # every row, the exact head's included
+
+
+def test_with_the_labels_in_the_head_and_a_flat_tail_the_tail_gradient_is_the_full_softmax_one():
+    # Tail rows of zeros: every tail logit is 0, so the uniform proposal is the tail's softmax and the draws'
+    # deviation from their expectation vanishes: each tail row gets exactly the full softmax's gradient.
+    head = torch.arange(50)
+    weight = torch.zeros(V, D, dtype=torch.float64)
+    weight[head] = torch.randn(50, D, dtype=torch.float64)
+    sampler = build_sampler("uniform", weight.float(), exclude=head)
+    h = torch.randn(T, D, dtype=torch.float64)
+    y = torch.randint(0, 50, (T,))
+    w = weight.clone().requires_grad_()
+    _loss(sampler, h, w, y, "expected", 0).backward()
+    w_full = weight.clone().requires_grad_()
+    full_softmax_loss(h, w_full, y).backward()
+    torch.testing.assert_close(w.grad[50:], w_full.grad[50:], rtol=2e-3, atol=1e-10)  # float32 proposal
+    w_sampled = weight.clone().requires_grad_()
+    _loss(sampler, h, w_sampled, y, "sampled", 0).backward()
+    assert not torch.allclose(w_sampled.grad[50:], w_full.grad[50:], atol=1e-6)
+
+
+def test_the_expected_tail_gradient_is_unbiased_and_less_noisy():
+    # Over independent draws, both gradients estimate the same expectation (a two-sample z-test per projection,
+    # alpha 1e-4 overall), and the expected one varies less on the tail rows where Q is near the tail's softmax
+    # (small logits, as early in training).
+    weight, _, counts = _setup(seed=1, dtype=torch.float32, scale=0.15)
+    sampler = build_sampler("midx-rq", weight, class_counts=counts, codebook_size=8, exclude=torch.arange(100))
+    h = torch.randn(T, D)
+    y = torch.randint(0, V, (T,))
+    directions = torch.randn(4, V, D, generator=torch.Generator().manual_seed(5))
+    draws = {"expected": [], "sampled": []}
+    moments = {"expected": [0.0, 0.0], "sampled": [0.0, 0.0]}
+    for seed in range(300):
+        for tail, out in draws.items():
+            w = weight.clone().requires_grad_()
+            _loss(sampler, h, w, y, tail, seed).backward()
+            out.append((directions * w.grad).sum((1, 2)))
+            g = w.grad[100:].double()
+            moments[tail] = [moments[tail][0] + g, moments[tail][1] + g**2]
+    e, s = (torch.stack(draws[k]).double() for k in ("expected", "sampled"))
+    z = (e.mean(0) - s.mean(0)) / ((e.var(0) + s.var(0)) / e.shape[0]).sqrt()
+    assert float(z.abs().max()) < 4.42, z  # two-sided 1e-4 / 4 projections
+    variance = {k: float((m2 / 300 - (m1 / 300) ** 2).sum()) for k, (m1, m2) in moments.items()}
+    assert variance["expected"] < 0.5 * variance["sampled"], variance  # summed over the tail rows' entries
+
+
+def test_the_head_applies_it_by_default_and_the_config_switches_it_off():
+    weight, _, counts = _setup(dtype=torch.float32)
+    rows = {}
+    for tail in ("expected", "sampled"):
+        linear = torch.nn.Linear(D, V, bias=False)
+        linear.weight.data.copy_(weight)
+        head = MidxLMHead(linear, MidxConfig(tail_gradient=tail, exact_head=64, codebook_size=8), class_counts=counts)
+        head.loss(torch.randn(T, D), torch.randint(0, V, (T,))).backward()
+        rows[tail] = int((head.weight.grad.abs().sum(1) > 0).sum())
+    assert rows["expected"] == V and rows["sampled"] < V // 2
+    assert MidxConfig().tail_gradient == "expected"
+
+
+def test_unknown_tail_gradient_is_refused():
+    with pytest.raises(ValueError, match="tail_gradient"):
+        MidxConfig(tail_gradient="dense")
+    weight, _, counts = _setup(dtype=torch.float32)
+    sampler = build_sampler("unigram", weight, class_counts=counts)
+    with pytest.raises(ValueError, match="tail_gradient"):
+        sampled_softmax_loss(torch.randn(2, D), weight, torch.tensor([0, 1]), sampler, 4, tail_gradient="x")
+
+
+def test_no_tokens_by_vocabulary_tensor_is_made():
+    # The closed form's largest temporaries are (T, K*K) and (V, D): check that none is (T, V).
+    weight, _, counts = _setup(dtype=torch.float32)
+    sampler = build_sampler("midx-rq", weight, class_counts=counts, codebook_size=8)
+    h = torch.randn(T, D, requires_grad=True)
+    shapes = []
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                shapes.append(tuple(out.shape))
+            return out
+
+    w = weight.clone().requires_grad_()
+    with Spy():
+        expected_logit(sampler.proposal_factors(h.detach()), h, w, None).sum().backward()
+    assert not any(len(s) == 2 and s[0] == T and s[1] == V for s in shapes)
+    assert math.prod(max(shapes, key=math.prod)) <= V * D
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_kernels_split_gives_the_eager_gradient(with_bias):
+    # candidate_loss(tail_control=True) (the fused path's form, here its eager reference) plus expected_share
+    # is the eager loss with the expected tail gradient, on the same draws.
+    from hf_midx.kernels import candidate_loss
+    from hf_midx.tail_gradient import expected_share
+
+    weight, bias, counts = _setup(dtype=torch.float32, scale=0.3)
+    bias = bias if with_bias else None
+    sampler = build_sampler("midx-rq", weight, class_counts=counts, codebook_size=8, exclude=torch.arange(64))
+    h = torch.randn(T, D)
+    y = torch.randint(0, V, (T,))
+    y[3] = -100
+    grads = []
+    for split in (False, True):
+        leaves = [x.clone().requires_grad_() for x in (h, weight)] + ([bias.clone().requires_grad_()] if with_bias else [])
+        hb, wb, bb = leaves[0], leaves[1], leaves[2] if with_bias else None
+        if split:
+            ids, log_q, log_q_pos = sampler.draw_scored(h, 8, y.clamp_min(0).unsqueeze(1), generator=CounterRNG(4))
+            loss, share = candidate_loss(hb, wb, y, ids, log_q, log_q_pos.squeeze(1), bias=bb, head_ids=sampler.excluded,
+                                         backend="eager", tail_control=True, reduction="sum")
+            loss = loss + expected_share(sampler.proposal_factors(h), hb, wb, bb, share).sum()
+        else:
+            loss = _loss(sampler, hb, wb, y, "expected", 4, bias=bb, reduction="sum")
+        loss.backward()
+        grads.append([float(loss)] + [x.grad for x in leaves])
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6)
+    for a, b in zip(grads[0][1:], grads[1][1:]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
