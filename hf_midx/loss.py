@@ -228,10 +228,13 @@ def sampled_softmax_loss(
     # One evaluation of the proposal gives the draws and, for the corrected positive, the label's log q.
     corrected = estimator == "corrected-positive"
     drops = drops_accidental_hits(remove_accidental_hits, estimator)
-    expected_tail = tail_gradient == "expected" and negatives == "per-query" and not drops and logit_softcap is None
-    factors = sampler.proposal_factors(queries) if expected_tail else None  # None: no closed form, sampled
+    factors = None  # the proposal's closed form for the expected tail gradient; None: the sampled one
     if negatives == "per-query":
-        if corrected:
+        if tail_gradient == "expected" and not drops and logit_softcap is None:
+            scored = y.unsqueeze(1) if corrected else None
+            ids, log_q, log_q_pos, factors = sampler.draw_with_factors(queries, num_samples, scored, generator)
+            log_q_pos = None if log_q_pos is None else log_q_pos.squeeze(1)
+        elif corrected:
             ids, log_q, log_q_pos = sampler.draw_scored(queries, num_samples, y.unsqueeze(1), generator=generator)
             log_q_pos = log_q_pos.squeeze(1)
         else:
@@ -249,8 +252,10 @@ def sampled_softmax_loss(
                 exact_value=exact_value, reduction=reduction, backend="fused", tail_control=factors is not None,
             )
             # The kernels gave each draw's share back (out[1]); the expected part is added here.
-            return out if factors is None else out[0] + _reduce(
-                expected_share(factors, hidden, weight, bias, out[1]), valid, reduction)
+            if factors is None:
+                return out
+            share = out[1] / valid.sum().clamp_min(1) if reduction == "mean" else out[1]  # per token of the mean
+            return expected_share(out[0], share, factors, hidden, weight, bias)
         rows = torch.cat([y.unsqueeze(1), ids], dim=1)  # (T, 1 + M)
         hits = ids == y.unsqueeze(1)
     else:
@@ -307,7 +312,7 @@ def sampled_softmax_loss(
         value_adj = torch.cat([pos_value.unsqueeze(1), tail], dim=1)
     per_token, share = sampled_softmax_terms(head, cand, adj, target_adj, value_adj, valid, factors is not None)
     if factors is not None:  # the draws gave their share back; each tail class gets its expected part
-        per_token = per_token + expected_share(factors, hidden, weight, bias, share)
+        per_token = expected_share(per_token, share, factors, hidden, weight, bias)
     return _reduce(per_token, valid, reduction)
 
 

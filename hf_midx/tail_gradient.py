@@ -25,10 +25,10 @@ def _bucket_means(probs, bucket, member, static, rows):
     """(T or 1, C) float32 E_Q[rows[i] | z_t] from the factors, for (V, C) float32 rows."""
     mean = None
     if probs is not None:
-        sums = rows.new_zeros(probs.shape[1], rows.shape[1]).index_add_(0, bucket, rows * member.unsqueeze(1))
-        mean = torch.mm(probs, sums)
+        src = rows if member is None else rows * member.unsqueeze(1)
+        mean = torch.mm(probs, rows.new_zeros(probs.shape[1], rows.shape[1]).index_add_(0, bucket, src))
     if static is not None:
-        spread = (static @ rows).unsqueeze(0)
+        spread = torch.mm(static.unsqueeze(0), rows)  # (1, C)
         mean = spread if mean is None else mean.add_(spread)
     return mean
 
@@ -38,7 +38,8 @@ def _spread(probs, bucket, member, static, g):
     out = None
     if probs is not None:
         table = torch.mm(probs.t(), g)  # (B, C): each bucket's share of the tokens
-        out = torch.index_select(table, 0, bucket).mul_(member.unsqueeze(1))
+        out = torch.index_select(table, 0, bucket)
+        out = out if member is None else out.mul_(member.unsqueeze(1))
     if static is not None:
         total = g.sum(0)
         out = torch.outer(static, total) if out is None else out.addr_(static, total)
@@ -90,16 +91,42 @@ def expected_logit(factors, hidden, weight, bias=None) -> torch.Tensor:
     return _ExpectedLogit.apply(hidden, weight, bias, *factors)
 
 
-def expected_share(factors, hidden, weight, bias, share) -> torch.Tensor:
-    """(T,) float32 zeros with the gradient of share_t * E_Q[o_t] (share (T,) float32, no gradient): the expected
-    part, for a loss whose draws already give share_t / M back each (``tail_control`` of
-    :func:`~hf_midx.candidate_logits.sampled_softmax_terms` and of the fused kernels)."""
-    return zero_valued(share * expected_logit(factors, hidden, weight, bias))
+class _ExpectedShare(torch.autograd.Function):
+    """The loss as it is, plus the gradient of share_t * E_Q[o_t] (all of it in the backward: no op in the forward)."""
+
+    @staticmethod
+    def forward(ctx, loss, share, hidden, weight, bias, probs, bucket, member, static):
+        ctx.save_for_backward(share, hidden, weight, bias, probs, bucket, member, static)
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad):
+        share, hidden, weight, bias, probs, bucket, member, static = ctx.saved_tensors
+        factors = (probs, bucket, member, static)
+        # Each token's coefficient: the upstream gradient of its loss (or the reduction's, broadcast) times its share.
+        c = (grad * share).unsqueeze(1)  # (T, 1)
+        grad_hidden = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[2]:
+            grad_hidden = (c * _bucket_means(*factors, weight.float())).to(hidden.dtype)
+        if ctx.needs_input_grad[3]:
+            grad_weight = _spread(*factors, c * hidden.float()).to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[4]:
+            grad_bias = _spread(*factors, c).squeeze(1).to(bias.dtype)
+        return grad, None, grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
-def zero_valued(x: torch.Tensor) -> torch.Tensor:
-    """x - x.detach(): value 0, the gradient of x."""
-    return x - x.detach()
+def expected_share(loss, share, factors, hidden, weight, bias=None) -> torch.Tensor:
+    """``loss`` unchanged, with the gradient of sum_t share_t * E_Q[o_t] added: the expected part of the tail
+    gradient, for a loss whose draws already give share_t / M back each (``tail_control`` of
+    :func:`~hf_midx.candidate_logits.sampled_softmax_terms` and of the fused kernels).
+
+    Args:
+        loss: (T,) float32 per-token losses, or the reduced scalar (then the share is the reduction's weight
+            per token: (T,) float32 already divided by the count for a mean); share: (T,) float32, no gradient;
+        factors: :class:`~hf_midx.samplers.base.ProposalFactors` of the queries; hidden: (T, D); weight: (V, D);
+        bias: (V,) or None (autograd flows to all three).
+    """
+    return _ExpectedShare.apply(loss, share, hidden, weight, bias, *factors)
 
 
 __all__ = ["expected_logit", "expected_share"]

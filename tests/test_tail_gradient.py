@@ -196,7 +196,7 @@ def test_the_kernels_split_gives_the_eager_gradient(with_bias):
             ids, log_q, log_q_pos = sampler.draw_scored(h, 8, y.clamp_min(0).unsqueeze(1), generator=CounterRNG(4))
             loss, share = candidate_loss(hb, wb, y, ids, log_q, log_q_pos.squeeze(1), bias=bb, head_ids=sampler.excluded,
                                          backend="eager", tail_control=True, reduction="sum")
-            loss = loss + expected_share(sampler.proposal_factors(h), hb, wb, bb, share).sum()
+            loss = expected_share(loss, share, sampler.proposal_factors(h), hb, wb, bb)
         else:
             loss = _loss(sampler, hb, wb, y, "expected", 4, bias=bb, reduction="sum")
         loss.backward()

@@ -34,10 +34,10 @@ class ProposalFactors(NamedTuple):
 
     Q(i | z_t) = probs[t, bucket[i]] * member[i] + static[i]
 
-    probs: (T, B) float32 per-query bucket probabilities, or None (a static proposal); bucket: (V,) int64 in
-    [0, B); member: (V,) float32 a class's share of its bucket (times the mixture's weight); static: (V,)
-    float32 or None, the query-independent part (times its weight). Both are 0 at the classes the proposal
-    never draws.
+    probs: (T, B) float32 per-query bucket terms, or None (a static proposal); bucket: (V,) int64 in [0, B);
+    member: (V,) float32 a class's share of its bucket (times the mixture's weight), or None when that share
+    is already in ``probs`` (1); static: (V,) float32 or None, the query-independent part (times its weight).
+    A class the proposal never draws has 0 in member (or in its bucket's probs) and static.
     """
 
     probs: torch.Tensor | None
@@ -134,6 +134,16 @@ class Sampler:
         """log Q(. | z) over all classes, (T, V) float32. O(T V): for tests and diagnostics only."""
         q = self.checked_queries(queries)
         return self.score(q, torch.arange(self.num_classes, device=self.device).expand(q.shape[0], -1))
+
+    def draw_with_factors(self, queries, num_samples, ids=None, generator=None):
+        """:meth:`draw_scored` (or :meth:`draw` for ``ids=None``, with None for the ids' log q) plus
+        :meth:`proposal_factors` of the same queries, from one evaluation of the proposal where it can."""
+        if ids is None:
+            draws, log_q = self.draw(queries, num_samples, generator=generator)
+            scored = None
+        else:
+            draws, log_q, scored = self.draw_scored(queries, num_samples, ids, generator=generator)
+        return draws, log_q, scored, self.proposal_factors(self._queries(queries))
 
     def proposal_factors(self, queries: torch.Tensor) -> ProposalFactors | None:
         """Q over all classes for each of the (T, D) float32 ``queries`` (unchecked: the loss passes its own),

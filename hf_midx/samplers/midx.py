@@ -241,8 +241,18 @@ class MidxQuantizedSampler(MidxSampler):
             logs.append(self._log_static + math.log(a))
         self._class_logs = self._globalize(torch.stack(logs, dim=1), -math.inf)
         self._order = self._to_global(idx.order)  # the classes in CSR order, as global ids
-        # proposal_factors: the member and static columns as probabilities (0 at excluded classes).
+        # proposal_factors: the member and static columns as probabilities (0 at excluded classes); with the
+        # uniform last stage a class's share is its bucket's (1 - a) / |Omega|, put on the (T, K*K) bucket terms.
         self._class_probs = self._class_logs.exp()
+        self._bucket_share = None
+        if self._log_w is None:
+            share = (math.log1p(-self.mix_weight) - self._log_mass).exp()
+            self._bucket_share = share.masked_fill(self._log_mass == -math.inf, 0.0)  # an empty bucket: 0, not inf
+            if self.candidates is not None:  # an excluded class in bucket 0 must add nothing: its own bucket
+                self._class_bucket_factors = self._class_bucket.masked_fill(self._class_logs[:, 0] == -math.inf, k * k)
+                self._bucket_share = torch.cat([self._bucket_share, self._bucket_share.new_zeros(1)])
+            else:
+                self._class_bucket_factors = self._class_bucket
 
     # -- the proposal
     def _scores(self, q: torch.Tensor):
@@ -266,7 +276,7 @@ class MidxQuantizedSampler(MidxSampler):
         k = self.index.codebook_size
         return s[:, :k], s[:, k:], log_z.squeeze(1)
 
-    def _draw(self, q: torch.Tensor, m: int, gen, ids: torch.Tensor | None):
+    def _draw(self, q: torch.Tensor, m: int, gen, ids: torch.Tensor | None, factors: bool = False):
         """(T, M) global draws, their log Q (T, M), and log Q of (T, N) global ``ids`` (None for None).
 
         One proposal evaluation and one call of the generator per step: its (4, T, M) uniforms pick the
@@ -288,9 +298,8 @@ class MidxQuantizedSampler(MidxSampler):
             draws = torch.where(u[3] < self.mix_weight, static, draws)
         both = draws if ids is None else torch.cat([ids, draws], dim=1)
         log_q = self._log_q(joint, log_z, both)
-        if ids is None:
-            return draws, log_q, None
-        return draws, log_q[:, ids.shape[1] :], log_q[:, : ids.shape[1]]
+        out = (draws, log_q, None) if ids is None else (draws, log_q[:, ids.shape[1] :], log_q[:, : ids.shape[1]])
+        return (*out, self._factors(joint, log_z)) if factors else out
 
     def _log_q(self, joint: torch.Tensor, log_z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """log Q of (T, N) global ids from the bucket logits: the MIDX component, mixed with the static one."""
@@ -320,11 +329,22 @@ class MidxQuantizedSampler(MidxSampler):
         _, joint, log_z, _ = self._scores(q)
         return self._log_q(joint, log_z, self._to_global(ids))
 
+    def draw_with_factors(self, queries, num_samples, ids=None, generator=None):
+        gen = as_counter_rng(generator, self.generator)
+        return self._draw(self._queries(queries), num_samples, gen, None if ids is None else ids.to(self.device), True)
+
     def proposal_factors(self, queries):
         _, joint, log_z, _ = self._scores(self._queries(queries))
+        return self._factors(joint, log_z)
+
+    def _factors(self, joint: torch.Tensor, log_z: torch.Tensor) -> ProposalFactors:
         probs = (joint - log_z).exp()  # (T, K*K); an empty bucket's joint is -inf
         static = self._class_probs[:, 1] if self._class_probs.shape[1] > 1 else None
-        return ProposalFactors(probs, self._class_bucket, self._class_probs[:, 0], static)
+        if self._bucket_share is None:  # the frequency last stage: a share per class
+            return ProposalFactors(probs, self._class_bucket, self._class_probs[:, 0], static)
+        if self.candidates is not None:  # one zero column for the excluded classes' bucket
+            probs = torch.cat([probs, probs.new_zeros(probs.shape[0], 1)], dim=1)
+        return ProposalFactors(probs * self._bucket_share, self._class_bucket_factors, None, static)
 
 
 @register
