@@ -70,8 +70,9 @@ class FixedDraws:
     def draw_scored(self, queries, num_samples, ids, generator=None):
         return self.ids, self.log_q, self.log_q_pos
 
-    def proposal_factors(self, queries):
-        return None  # draws from a table the loss does not see: the sampled tail gradient
+    def draw_with_factors(self, queries, num_samples, ids=None, generator=None):
+        # No closed form of the proposal (the table is the test's): the loss keeps the sampled tail gradient.
+        return self.ids, self.log_q, None if ids is None else self.log_q_pos, None
 
 
 Case = collections.namedtuple("Case", "hidden weight bias labels ids log_q log_q_pos head")

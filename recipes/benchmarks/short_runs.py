@@ -18,8 +18,9 @@ wall-clock seconds (evaluation excluded) and the curves. Seeds fix the model's i
 the sampler; the held-out blocks are the same for every seed.
 
 Run: ``python recipes/benchmarks/short_runs.py --out DIR --corpus zipf --vocab 151936 --steps 100 --seeds 0 1 2
---configs full default``. Writes ``DIR/short_runs.{json,md}`` and ``DIR/short_runs.png``; ``--append`` adds to the
-JSON of an earlier call (one call per core, merged by ``--merge``).
+--configs full default``. Writes ``DIR/short_runs.{json,md}`` (``--append`` adds to an earlier call's JSON); calls
+run one per core are tabled together, with the curves in ``short_runs.png``, by ``--merge A/short_runs.json
+B/short_runs.json ... --out DIR``.
 """
 
 from __future__ import annotations
@@ -49,24 +50,27 @@ else:  # run as a file: this folder is first on sys.path
 NAME = "short_runs"
 SEQ, BATCH, LR, EVAL_BLOCKS, PROBE = 128, 8, 2e-3, 64, 64
 
-#: MidxConfig changes of each configuration (None: the full softmax, unwrapped).
+#: MidxConfig changes of each configuration (None: the full softmax, unwrapped). "sampled-tail" is the default
+#: before the expected tail gradient; the refresh variants rebuild the index every 50 / 100 steps.
 CONFIGS: dict[str, dict | None] = {
     "full": None,
     "default": {},
     "sampled-tail": {"tail_gradient": "sampled"},
-    "expected-r50": {"refresh_every_steps": 50},
-    "expected-r100": {"refresh_every_steps": 100},
-    "sampled-r50": {"tail_gradient": "sampled", "refresh_every_steps": 50},
-    "sampled-r100": {"tail_gradient": "sampled", "refresh_every_steps": 100},
     "m100": {"num_samples": 100},
+    "m100-sampled-tail": {"num_samples": 100, "tail_gradient": "sampled"},
     "unigram": {"sampler": "unigram"},
     "shared": {"negatives": "shared"},
+    "expected-r50": {"refresh_every_steps": 50},
+    "sampled-r50": {"tail_gradient": "sampled", "refresh_every_steps": 50},
+    "expected-r100": {"refresh_every_steps": 100},
 }
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="no training: table and plot the runs of these short_runs.json files together")
     p.add_argument("--corpus", default="zipf", choices=["zipf", "chain", "finetune"])
     p.add_argument("--vocab", type=int, nargs="+", default=[151_936])
     p.add_argument("--steps", type=int, nargs="+", default=[100])
@@ -255,14 +259,41 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(out: Path, results: list[dict]) -> None:
+    """short_runs.png: per (corpus, V, steps) with a full-softmax run, seed 0's curves of the probe's unseen mass
+    and of the logged training loss, one line per configuration."""
+    groups = sorted({(r["corpus"], r["vocab"], r["steps"]) for r in results if r["config"] == "full"})
+    panels = []
+    for c, v, n in groups:
+        runs = [r for r in results if (r["corpus"], r["vocab"], r["steps"], r["seed"]) == (c, v, n, 0)]
+        for key, label in (("probe/unseen_mass", "P's mass on classes unseen in training"), ("loss", "training loss")):
+            found = {r["config"]: ([p["step"] for p in r["curve"] if key in p], [p[key] for p in r["curve"] if key in p])
+                     for r in runs}
+            found = {k: xy for k, xy in found.items() if xy[0]}
+            if found:
+                panels.append({"lines": found, "title": f"{c}, V = {v:,}, {n} steps, seed 0", "xlabel": "step",
+                               "ylabel": label, "yscale": "log" if key != "loss" else None})
+    if panels:
+        common.plot_panels(out, f"{NAME}.png", panels, size=(5.0, 3.6), rows=max(1, len(panels) // 4))
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{NAME}.json"
-    results = json.loads(path.read_text())["runs"] if args.append and path.exists() else []
     env = common.environment(torch.device("cpu"))
+    if args.merge:
+        results = [r for f in args.merge for r in json.loads(Path(f).read_text())["runs"]]
+        rows = summarize(results)
+        payload = {"name": NAME, "environment": env, "sources": args.merge, "runs": results, "summary": rows}
+        path.write_text(json.dumps(payload, indent=1))
+        (out / f"{NAME}.md").write_text(markdown(rows))
+        plot(out, results)
+        print(markdown(rows))
+        return payload
+    results = json.loads(path.read_text())["runs"] if args.append and path.exists() else []
     for v in args.vocab:
         for steps in args.steps:
             for seed in args.seeds:
