@@ -46,49 +46,19 @@ def _spread(probs, bucket, member, static, g):
     return out
 
 
-class _ExpectedLogit(torch.autograd.Function):
-    """E_Q[s_t] = z_t . E_Q[w] + E_Q[b] per token (T,) float32, with hand-written gradients (no (T, V) term)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, probs, bucket, member, static):
-        factors = (probs, bucket, member, static)
-        mean = _bucket_means(*factors, weight.float())  # (T or 1, D)
-        out = (hidden.float() * mean).sum(1)
-        mean_bias = None
-        if bias is not None:
-            mean_bias = _bucket_means(*factors, bias.float().unsqueeze(1)).squeeze(1)
-            out = out + mean_bias
-        ctx.save_for_backward(hidden, mean, probs, bucket, member, static)
-        ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        hidden, mean, probs, bucket, member, static = ctx.saved_tensors
-        factors = (probs, bucket, member, static)
-        needs = ctx.needs_input_grad
-        grad_hidden = grad_weight = grad_bias = None
-        if needs[0]:
-            grad_hidden = (grad.unsqueeze(1) * mean).to(hidden.dtype)
-        if needs[1]:
-            # d E_Q[s_t] / d w_i = Q(i | z_t) z_t: spread over the classes through the buckets.
-            grad_weight = _spread(*factors, grad.unsqueeze(1) * hidden.float()).to(ctx.weight_dtype)
-        if ctx.bias_dtype is not None and needs[2]:
-            grad_bias = _spread(*factors, grad.unsqueeze(1)).squeeze(1).to(ctx.bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
-
-
+@torch.no_grad()
 def expected_logit(factors, hidden, weight, bias=None) -> torch.Tensor:
-    """E_Q[o_t] = z_t . E_Q[w] + E_Q[b] per token under a proposal given by its factors.
+    """E_Q[o_t] = z_t . E_Q[w] + E_Q[b] per token under a proposal given by its factors (its value only;
+    :func:`expected_share` gives its gradient).
 
     Args:
         factors: :class:`~hf_midx.samplers.base.ProposalFactors` of the (T, D) queries (the sampler's
-            :meth:`~hf_midx.Sampler.proposal_factors`).
-        hidden: (T, D) hidden states (autograd flows to them); weight: (V, D); bias: (V,) or None.
+            :meth:`~hf_midx.Sampler.proposal_factors`); hidden: (T, D); weight: (V, D); bias: (V,) or None.
     Returns:
-        (T,) float32, differentiable in hidden, weight and bias, with no (T, V) tensor made.
+        (T,) float32, with no (T, V) tensor made.
     """
-    return _ExpectedLogit.apply(hidden, weight, bias, *factors)
+    out = (hidden.float() * _bucket_means(*factors, weight.float())).sum(1)
+    return out if bias is None else out + _bucket_means(*factors, bias.float().unsqueeze(1)).squeeze(1)
 
 
 class _ExpectedShare(torch.autograd.Function):
@@ -104,7 +74,7 @@ class _ExpectedShare(torch.autograd.Function):
         share, hidden, weight, bias, probs, bucket, member, static = ctx.saved_tensors
         factors = (probs, bucket, member, static)
         # Each token's coefficient: the upstream gradient of its loss (or the reduction's, broadcast) times its share.
-        c = (grad * share).unsqueeze(1)  # (T, 1)
+        c = (grad * share).float().unsqueeze(1)  # (T, 1)
         grad_hidden = grad_weight = grad_bias = None
         if ctx.needs_input_grad[2]:
             grad_hidden = (c * _bucket_means(*factors, weight.float())).to(hidden.dtype)

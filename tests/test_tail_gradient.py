@@ -12,7 +12,7 @@ import torch
 from hf_midx import MidxConfig, build_sampler, full_softmax_loss, sampled_softmax_loss
 from hf_midx.head import MidxLMHead
 from hf_midx.rng import CounterRNG
-from hf_midx.tail_gradient import expected_logit
+from hf_midx.tail_gradient import expected_logit, expected_share
 
 V, D, T = 1500, 12, 24
 
@@ -44,9 +44,11 @@ def test_expected_logit_and_its_gradients_match_the_dense_proposal(name, options
     h = torch.randn(T, D, dtype=torch.float64)
     grad_out = torch.randn(T, dtype=torch.float64)
 
+    factors = sampler.proposal_factors(h.float())
     leaves = [x.clone().requires_grad_() for x in (h, weight, bias)]
-    value = expected_logit(sampler.proposal_factors(h.float()), *leaves)
-    (value.double() * grad_out).sum().backward()
+    value = expected_logit(factors, *leaves)
+    # expected_share's gradient is that of sum_t share_t E_Q[o_t]: with share = grad_out, of the same sum.
+    expected_share(torch.zeros(T, dtype=torch.float64), grad_out, factors, *leaves).sum().backward()
 
     q = sampler.full_log_prob(h.float()).exp().double()  # (T, V): the reference, O(T V)
     if exclude:
@@ -170,7 +172,7 @@ def test_no_tokens_by_vocabulary_tensor_is_made():
 
     w = weight.clone().requires_grad_()
     with Spy():
-        expected_logit(sampler.proposal_factors(h.detach()), h, w, None).sum().backward()
+        expected_share(torch.zeros(T), torch.ones(T), sampler.proposal_factors(h.detach()), h, w).sum().backward()
     assert not any(len(s) == 2 and s[0] == T and s[1] == V for s in shapes)
     assert math.prod(max(shapes, key=math.prod)) <= V * D
 
@@ -180,7 +182,6 @@ def test_the_kernels_split_gives_the_eager_gradient(with_bias):
     # candidate_loss(tail_control=True) (the fused path's form, here its eager reference) plus expected_share
     # is the eager loss with the expected tail gradient, on the same draws.
     from hf_midx.kernels import candidate_loss
-    from hf_midx.tail_gradient import expected_share
 
     weight, bias, counts = _setup(dtype=torch.float32, scale=0.3)
     bias = bias if with_bias else None

@@ -29,6 +29,7 @@ from .._checks import check_ids, check_matrix, check_positive_int
 from .._ops import row_chunks
 from ..rng import CounterRNG, as_counter_rng
 
+
 class ProposalFactors(NamedTuple):
     """A proposal in the closed form the expected tail gradient needs (see :mod:`hf_midx.tail_gradient`):
 
