@@ -11,7 +11,7 @@ The control variate here keeps the estimator unbiased and gives each tail class 
 ``c * (E_Q[s] - mean_m s_m)`` (c detached, s the raw logits) adds c Q(i | z) to every tail class and takes c / M
 from each draw, zero in expectation, so the tail's gradient becomes its expectation under Q plus the draws'
 deviation from it (which vanishes when Q is the softmax). E_Q[s] = z . E_Q[w] + E_Q[b] comes in closed form from
-the proposal's factors (:class:`hf_midx.samplers.base.ProposalFactors`): for MIDX one (T, K*K) x (K*K, D) product
+the proposal's factors (:class:`hf_midx.samplers.factors.ProposalFactors`): for MIDX one (T, K*K) x (K*K, D) product
 with the buckets' row sums and the static component's mean row; the weight's gradient is a gather of a (K*K, D)
 table and a rank-one term, O(V D) like the weight gradient itself, with no (tokens x vocab) tensor.
 """
@@ -52,7 +52,7 @@ def expected_logit(factors, hidden, weight, bias=None) -> torch.Tensor:
     :func:`expected_share` gives its gradient).
 
     Args:
-        factors: :class:`~hf_midx.samplers.base.ProposalFactors` of the (T, D) queries (the sampler's
+        factors: :class:`~hf_midx.samplers.factors.ProposalFactors` of the (T, D) queries (the sampler's
             :meth:`~hf_midx.Sampler.proposal_factors`); hidden: (T, D); weight: (V, D); bias: (V,) or None.
     Returns:
         (T,) float32, with no (T, V) tensor made.
@@ -93,7 +93,7 @@ def expected_share(loss, share, factors, hidden, weight, bias=None) -> torch.Ten
     Args:
         loss: (T,) float32 per-token losses, or the reduced scalar (then the share is the reduction's weight
             per token: (T,) float32 already divided by the count for a mean); share: (T,) float32, no gradient;
-        factors: :class:`~hf_midx.samplers.base.ProposalFactors` of the queries; hidden: (T, D); weight: (V, D);
+        factors: :class:`~hf_midx.samplers.factors.ProposalFactors` of the queries; hidden: (T, D); weight: (V, D);
         bias: (V,) or None (autograd flows to all three).
     """
     return _ExpectedShare.apply(loss, share, hidden, weight, bias, *factors)

@@ -20,7 +20,7 @@ sampled id never gets a -inf or NaN log-probability.
 from __future__ import annotations
 
 import math
-from typing import Callable, ClassVar, NamedTuple
+from typing import Callable, ClassVar
 
 import torch
 
@@ -28,23 +28,7 @@ from .. import defaults
 from .._checks import check_ids, check_matrix, check_positive_int
 from .._ops import row_chunks
 from ..rng import CounterRNG, as_counter_rng
-
-
-class ProposalFactors(NamedTuple):
-    """A proposal in the closed form the expected tail gradient needs (see :mod:`hf_midx.tail_gradient`):
-
-    Q(i | z_t) = probs[t, bucket[i]] * member[i] + static[i]
-
-    probs: (T, B) float32 per-query bucket terms, or None (a static proposal); bucket: (V,) int64 in [0, B);
-    member: (V,) float32 a class's share of its bucket (times the mixture's weight), or None when that share
-    is already in ``probs`` (1); static: (V,) float32 or None, the query-independent part (times its weight).
-    A class the proposal never draws has 0 in member (or in its bucket's probs) and static.
-    """
-
-    probs: torch.Tensor | None
-    bucket: torch.Tensor | None
-    member: torch.Tensor | None
-    static: torch.Tensor | None
+from .factors import ProposalFactors
 
 
 def mixture_log_prob(
@@ -140,8 +124,7 @@ class Sampler:
         """:meth:`draw_scored` (or :meth:`draw` for ``ids=None``, with None for the ids' log q) plus
         :meth:`proposal_factors` of the same queries, from one evaluation of the proposal where it can."""
         if ids is None:
-            draws, log_q = self.draw(queries, num_samples, generator=generator)
-            scored = None
+            draws, log_q, scored = (*self.draw(queries, num_samples, generator=generator), None)
         else:
             draws, log_q, scored = self.draw_scored(queries, num_samples, ids, generator=generator)
         return draws, log_q, scored, self.proposal_factors(self._queries(queries))

@@ -35,7 +35,8 @@ from ..index import MidxIndex
 from ..quantizers import QUANTIZERS
 from ..registry import register
 from ..rng import as_counter_rng
-from .base import ProposalFactors, Sampler, mixture_log_prob
+from .base import Sampler, mixture_log_prob
+from .factors import ProposalFactors
 from .counts import check_counts, check_unigram_options, unigram_log_table
 
 

@@ -8,7 +8,8 @@ import torch
 
 from .. import defaults
 from ..registry import register
-from .base import ProposalFactors, Sampler
+from .base import Sampler
+from .factors import ProposalFactors
 from .counts import check_counts, check_unigram_options, unigram_log_table
 
 
