@@ -20,7 +20,8 @@ the sampler; the held-out blocks are the same for every seed.
 Run: ``python recipes/benchmarks/short_runs.py --out DIR --corpus zipf --vocab 151936 --steps 100 --seeds 0 1 2
 --configs full default``. Writes ``DIR/short_runs.{json,md}`` (``--append`` adds to an earlier call's JSON); calls
 run one per core are tabled together, with the curves in ``short_runs.png``, by ``--merge A/short_runs.json
-B/short_runs.json ... --out DIR``.
+B/short_runs.json ... --out DIR`` (a run repeated in a later file, same corpus, V, steps, configuration and seed,
+is kept under ``repeats``, out of the table; the plot takes whichever has more probe points).
 """
 
 from __future__ import annotations
@@ -265,7 +266,13 @@ def plot(out: Path, results: list[dict]) -> None:
     groups = sorted({(r["corpus"], r["vocab"], r["steps"]) for r in results if r["config"] == "full"})
     panels = []
     for c, v, n in groups:
-        runs = [r for r in results if (r["corpus"], r["vocab"], r["steps"], r["seed"]) == (c, v, n, 0)]
+        runs = {}
+        for r in results:  # per configuration, seed 0's run with the most probe points
+            if (r["corpus"], r["vocab"], r["steps"], r["seed"]) == (c, v, n, 0):
+                probed = sum("probe/unseen_mass" in p for p in r["curve"])
+                if probed >= runs.get(r["config"], (-1, None))[0]:
+                    runs[r["config"]] = (probed, r)
+        runs = [r for _, r in runs.values()]
         for key, label in (("probe/unseen_mass", "P's mass on classes unseen in training"), ("loss", "training loss")):
             found = {r["config"]: ([p["step"] for p in r["curve"] if key in p], [p[key] for p in r["curve"] if key in p])
                      for r in runs}
@@ -285,12 +292,19 @@ def main(argv=None) -> dict:
     path = out / f"{NAME}.json"
     env = common.environment(torch.device("cpu"))
     if args.merge:
-        results = [r for f in args.merge for r in json.loads(Path(f).read_text())["runs"]]
+        results, repeats, seen = [], [], set()
+        for f in args.merge:
+            for r in json.loads(Path(f).read_text())["runs"]:
+                key = (r["corpus"], r["vocab"], r["steps"], r["config"], r["seed"])
+                # The same run again (another call, e.g. with the probe): the first file's is tabled.
+                (repeats if key in seen else results).append({**r, "source": f})
+                seen.add(key)
         rows = summarize(results)
-        payload = {"name": NAME, "environment": env, "sources": args.merge, "runs": results, "summary": rows}
+        payload = {"name": NAME, "environment": env, "sources": args.merge, "runs": results, "repeats": repeats,
+                   "summary": rows}
         path.write_text(json.dumps(payload, indent=1))
         (out / f"{NAME}.md").write_text(markdown(rows))
-        plot(out, results)
+        plot(out, results + repeats)
         print(markdown(rows))
         return payload
     results = json.loads(path.read_text())["runs"] if args.append and path.exists() else []
