@@ -232,7 +232,8 @@ def sampled_softmax_loss(
     if negatives == "per-query":
         if tail_gradient == "expected" and not drops and logit_softcap is None:
             scored = y.unsqueeze(1) if corrected else None
-            ids, log_q, log_q_pos, factors = sampler.draw_with_factors(queries, num_samples, scored, generator)
+            drawn = sampler.draw_with_factors(queries, num_samples, scored, generator=generator)
+            ids, log_q, log_q_pos, factors = drawn
             log_q_pos = None if log_q_pos is None else log_q_pos.squeeze(1)
         elif corrected:
             ids, log_q, log_q_pos = sampler.draw_scored(queries, num_samples, y.unsqueeze(1), generator=generator)
