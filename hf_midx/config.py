@@ -133,8 +133,8 @@ class MidxConfig:
     tail_gradient: str = field(
         default=defaults.TAIL_GRADIENT,
         metadata={
-            "help": "'expected': every tail class gets its expected gradient under the proposal each step "
-            "(unbiased; hf_midx.tail_gradient); 'sampled': only the drawn ones."
+            "help": "'sampled' (default): only the drawn tail classes get a gradient; 'expected': every one gets its "
+            "expected gradient under the proposal each step (short runs from scratch; hf_midx.tail_gradient)."
         },
     )
     kernels: str = field(

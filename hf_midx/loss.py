@@ -18,8 +18,8 @@ term: dropping it biases Z low by about the label's share of Q (trained to conve
 head at V = 2,000, MIDX ended 6.1% above the full softmax with the hits dropped, 0.5% with them kept).
 With H the n-scaled tail estimate adds to the exact head mass, so the proposal only estimates the tail's
 share of Z. No path builds a (T, V) tensor or reads back to the host: ignored tokens are masked.
-By default (``tail_gradient="expected"``) the draws' share of the gradient is also spread over every
-tail class by its expectation under Q (:mod:`hf_midx.tail_gradient`), which leaves value and mean alone.
+With ``tail_gradient="expected"`` the draws' share of the gradient is also spread over every tail class
+by its expectation under Q (:mod:`hf_midx.tail_gradient`), which leaves value and mean alone.
 
 The value and the gradient. The gradient of :func:`sampled_softmax_loss` is always the estimator's above.
 Its value, by default (``exact_value=True``), is instead an estimate of the exact cross-entropy from the
@@ -157,7 +157,7 @@ def sampled_softmax_loss(
             gradient of the sampled objective; False returns the objective itself (see the module docstring).
         tail_gradient: "expected": every tail class gets its expected gradient under the proposal plus the
             draws' deviation from it (:mod:`hf_midx.tail_gradient`: same value, unbiased; per-query negatives,
-            MIDX/unigram/uniform proposals, no soft-cap, hits kept); "sampled": only the drawn classes.
+            MIDX/unigram/uniform proposals, no soft-cap, hits kept); "sampled" (default): only the drawn classes.
         kernels: how the loss is computed from the draws. "eager" (the default here): plain PyTorch, the
             reference. "fused": per-query negatives through :func:`hf_midx.kernels.candidate_loss`'s Triton
             kernels, on the same draws (CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``; ValueError

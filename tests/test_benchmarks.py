@@ -306,3 +306,30 @@ def test_recipe_runs_takes_one_question_per_call(tmp_path):
         recipe_runs.main(["heldout", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="not a finished large_vocab or wikitext2 run"):
         recipe_runs.main(["curves", str(tmp_path), "--out", str(tmp_path / "out")])
+
+
+def test_short_runs_trains_scores_and_merges(tmp_path):
+    """short_runs.py at a tiny V: the full softmax and the default from scratch and fine-tuning, then --merge."""
+    env = offline_env(OMP_NUM_THREADS="1", MPLBACKEND="Agg")
+    script = [sys.executable, str(BENCH / "short_runs.py")]
+    common = ["--vocab", "600", "--steps", "4", "--seeds", "0", "--configs", "full", "default", "--log_every", "2"]
+    for corpus in ("zipf", "finetune"):
+        proc = subprocess.run([*script, "--out", str(tmp_path / corpus), "--corpus", corpus, "--pretrain_steps", "2",
+                               *common], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = json.loads((tmp_path / "zipf" / "short_runs.json").read_text())["runs"]
+    assert [r["config"] for r in runs] == ["full", "default"]
+    for r in runs:
+        assert r["perplexity"] > 1 and r["train_seconds"] > 0
+        assert any("probe/unseen_mass" in p for p in r["curve"])
+    assert any("midx/ess" in p for p in runs[1]["curve"])  # the callback's coverage diagnostics
+    files = [str(tmp_path / c / "short_runs.json") for c in ("zipf", "finetune", "zipf")]
+    proc = subprocess.run([*script, "--out", str(tmp_path / "merged"), "--merge", *files],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    merged = json.loads((tmp_path / "merged" / "short_runs.json").read_text())
+    assert len(merged["runs"]) == 4 and len(merged["repeats"]) == 2  # the zipf file twice: its runs once
+    rows = {(r["corpus"], r["config"]): r for r in merged["summary"]}
+    assert rows[("zipf", "full")]["vs_full_pct"] == 0.0 and rows[("finetune", "default")]["vs_full_pct"] is not None
+    assert "| finetune | 600 | 4 | default |" in (tmp_path / "merged" / "short_runs.md").read_text()
+    assert (tmp_path / "merged" / "short_runs.png").stat().st_size > 0

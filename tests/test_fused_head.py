@@ -115,6 +115,9 @@ def assert_close(got, want, tol=2e-5):
         # The paper's estimator (hits dropped), soft cap, per-token losses, int32 labels, no head, no bias.
         (dict(head=False, bias=False, seed=1), dict(estimator="exact-positive", logit_softcap=3.0, reduction="none")),
         (dict(seed=2), dict(exact_value=False, remove_accidental_hits=True, reduction="sum")),
+        # The expected tail gradient: the kernels give each draw's share back, the expected part is added eagerly.
+        (dict(seed=3), dict(tail_gradient="expected")),
+        (dict(seed=4, bias=False), dict(tail_gradient="expected", reduction="sum")),
     ],
 )
 def test_fused_loss_is_the_eager_loss_on_the_same_draws(setup, options, fused_calls):

@@ -1,5 +1,5 @@
-"""The eager training step in few ATen ops, the same at every T (issue 36: at most 120 for the sampled head; the
-expected tail gradient, on by default, adds its own 20-odd: at most 145).
+"""The eager training step in few ATen ops, the same at every T (issue 36: at most 120; the expected tail gradient,
+``tail_gradient="expected"``, adds its own 25: at most 145).
 
 On a GPU one ATen op is about one kernel launch, and a step made of hundreds of small ops is launch-bound.
 ``recipes/benchmarks/profile_head.py``'s :func:`count_ops` counts the leaf ops of the profiler's tree (so that
@@ -18,7 +18,7 @@ import hf_midx
 from recipes.benchmarks.profile_head import FREE_OPS, count_ops
 
 MAX_OPS = 120
-#: With tail_gradient="expected" (the default): the draws' share (5 ops) and the expected part's backward (15).
+#: With tail_gradient="expected": the draws' share (5 ops), the proposal's factors and the expected part (20).
 MAX_OPS_EXPECTED_TAIL = 145
 
 

@@ -134,7 +134,7 @@ def test_the_expected_tail_gradient_is_unbiased_and_less_noisy():
     assert variance["expected"] < 0.5 * variance["sampled"], variance  # summed over the tail rows' entries
 
 
-def test_the_head_applies_it_by_default_and_the_config_switches_it_off():
+def test_the_config_switches_it_on_for_the_head():
     weight, _, counts = _setup(dtype=torch.float32)
     rows = {}
     for tail in ("expected", "sampled"):
@@ -144,7 +144,7 @@ def test_the_head_applies_it_by_default_and_the_config_switches_it_off():
         head.loss(torch.randn(T, D), torch.randint(0, V, (T,))).backward()
         rows[tail] = int((head.weight.grad.abs().sum(1) > 0).sum())
     assert rows["expected"] == V and rows["sampled"] < V // 2
-    assert MidxConfig().tail_gradient == "expected"
+    assert MidxConfig().tail_gradient == "sampled"
 
 
 def test_unknown_tail_gradient_is_refused():

@@ -67,9 +67,8 @@ def test_sft_trainer_trains_through_the_sampler(tmp_path):
         with_kwargs=True,
         prepend=True,  # before the head's own hook, which takes fused_lm_head out of the call
     )
-    # The default (corrected-positive, expected tail gradient) draws, scores the labels and gives the proposal's
-    # factors in one call.
-    sampler_draw = head.sampler.draw_with_factors
+    # The default (corrected-positive) estimator draws and scores the labels in one call.
+    sampler_draw = head.sampler.draw_scored
 
     def counting_draw(*args, **kwargs):
         # The logged diagnostics draw too, with a generator of their own; the training draws use the sampler's.
