@@ -51,19 +51,21 @@ else:  # run as a file: this folder is first on sys.path
 NAME = "short_runs"
 SEQ, BATCH, LR, EVAL_BLOCKS, PROBE = 128, 8, 2e-3, 64, 64
 
-#: MidxConfig changes of each configuration (None: the full softmax, unwrapped). "sampled-tail" is the default
-#: before the expected tail gradient; the refresh variants rebuild the index every 50 / 100 steps.
+#: MidxConfig changes of each configuration (None: the full softmax, unwrapped); the refresh variants rebuild the
+#: index every 50 / 100 steps.
 CONFIGS: dict[str, dict | None] = {
     "full": None,
     "default": {},
     "sampled-tail": {"tail_gradient": "sampled"},
+    "expected": {"tail_gradient": "expected"},
     "m100": {"num_samples": 100},
-    "m100-sampled-tail": {"num_samples": 100, "tail_gradient": "sampled"},
+    "m100-expected": {"num_samples": 100, "tail_gradient": "expected"},
     "unigram": {"sampler": "unigram"},
+    "unigram-expected": {"sampler": "unigram", "tail_gradient": "expected"},
     "shared": {"negatives": "shared"},
-    "expected-r50": {"refresh_every_steps": 50},
+    "expected-r50": {"tail_gradient": "expected", "refresh_every_steps": 50},
     "sampled-r50": {"tail_gradient": "sampled", "refresh_every_steps": 50},
-    "expected-r100": {"refresh_every_steps": 100},
+    "expected-r100": {"tail_gradient": "expected", "refresh_every_steps": 100},
 }
 
 
