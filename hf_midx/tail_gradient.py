@@ -14,6 +14,10 @@ deviation from it (which vanishes when Q is the softmax). E_Q[s] = z . E_Q[w] + 
 the proposal's factors (:class:`hf_midx.samplers.factors.ProposalFactors`): for MIDX one (T, K*K) x (K*K, D) product
 with the buckets' row sums and the static component's mean row; the weight's gradient is a gather of a (K*K, D)
 table and a rank-one term, O(V D) like the weight gradient itself, with no (tokens x vocab) tensor.
+
+Opt-in (``MidxConfig(tail_gradient="expected")``): it is what short runs from scratch need; in fine-tuning and in
+longer runs the sampled gradient did as well or better, and these passes over the (V, D) weight cost a head-bound
+step 44% more time (docs/performance.md, "Short runs").
 """
 
 from __future__ import annotations
