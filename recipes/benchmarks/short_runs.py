@@ -139,7 +139,7 @@ class Probe:
 
         class _Callback(TrainerCallback):
             def on_train_begin(self, args, state, control, model=None, **kwargs):
-                probe.start = model.get_output_embeddings().weight.detach()[probe.unseen].clone()
+                probe.start = model.get_output_embeddings().weight.detach().cpu()[probe.unseen].clone()
 
             def on_log(self, args, state, control, logs=None, model=None, **kwargs):
                 if logs is not None and "loss" in logs:
@@ -152,9 +152,10 @@ class Probe:
     def masses(self, model) -> dict:
         was = model.training
         model.eval()
-        p = model(input_ids=self.ids).logits.float().softmax(-1)[0]  # (PROBE, V), 64 rows only
+        device = model.get_output_embeddings().weight.device
+        p = model(input_ids=self.ids.to(device)).logits.float().softmax(-1)[0].cpu()  # (PROBE, V), 64 rows only
         model.train(was)
-        moved = (model.get_output_embeddings().weight.detach()[self.unseen] - self.start).norm(dim=1).mean()
+        moved = (model.get_output_embeddings().weight.detach().cpu()[self.unseen] - self.start).norm(dim=1).mean()
         return {"probe/head_mass": float(p[:, self.head].sum(1).mean()),
                 "probe/unseen_mass": float(p[:, self.unseen].sum(1).mean()),
                 "probe/unseen_row_shift": float(moved)}
@@ -182,6 +183,7 @@ def perplexity(model, blocks: torch.Tensor) -> float:
     model.eval()
     total, n = 0.0, 0
     for chunk in blocks.split(8):
+        chunk = chunk.to(model.get_output_embeddings().weight.device)
         loss = model(input_ids=chunk, labels=chunk).loss  # exact: a wrapped head scores the full softmax in eval
         total += float(loss) * chunk.shape[0] * (SEQ - 1)
         n += chunk.shape[0] * (SEQ - 1)
