@@ -205,6 +205,16 @@ class MidxConfig:
             raise ValueError(f"Unknown sampler {self.sampler!r}; choose one of: {', '.join(sorted(SAMPLERS))}.")
         if self.tail_gradient not in defaults.TAIL_GRADIENTS:
             raise ValueError(f"tail_gradient must be one of {defaults.TAIL_GRADIENTS}, got {self.tail_gradient!r}.")
+        drops = self.remove_accidental_hits
+        drops = self.estimator == "exact-positive" if drops is None else drops
+        if self.tail_gradient == "expected" and (self.negatives == "shared" or drops):
+            # The loss would quietly keep the sampled tail gradient: say so instead.
+            raise ValueError(
+                "tail_gradient='expected' needs negatives='per-query' and the draws' accidental hits kept "
+                "(remove_accidental_hits=False, or the default estimator 'corrected-positive'); "
+                f"got negatives={self.negatives!r}, estimator={self.estimator!r}, "
+                f"remove_accidental_hits={self.remove_accidental_hits!r}."
+            )
         if self.negatives not in NEGATIVE_MODES:
             raise ValueError(f"negatives must be one of {NEGATIVE_MODES}, got {self.negatives!r}.")
         if self.num_samples is None:

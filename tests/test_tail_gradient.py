@@ -150,6 +150,10 @@ def test_the_config_switches_it_on_for_the_head():
 def test_unknown_tail_gradient_is_refused():
     with pytest.raises(ValueError, match="tail_gradient"):
         MidxConfig(tail_gradient="dense")
+    for changes in (dict(negatives="shared"), dict(estimator="exact-positive"), dict(remove_accidental_hits=True)):
+        with pytest.raises(ValueError, match="tail_gradient='expected' needs"):
+            MidxConfig(tail_gradient="expected", **changes)
+    assert MidxConfig(tail_gradient="expected", estimator="exact-positive", remove_accidental_hits=False)
     weight, _, counts = _setup(dtype=torch.float32)
     sampler = build_sampler("unigram", weight, class_counts=counts)
     with pytest.raises(ValueError, match="tail_gradient"):
