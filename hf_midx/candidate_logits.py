@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .tail_gradient import bucket_table, spread
+
 # Bytes of one (chunk, R, D) gather of candidate embeddings in the forward: bounds its memory, and keeps the
 # chunks few, since each costs kernel launches: one at the Gemma-3-270M shape (T = 8192, M = 20, D = 640:
 # 440 MB in float32), 3 at D = 4096 in bf16.
@@ -27,10 +29,14 @@ class CandidateLogits(torch.autograd.Function):
     a chunk each: fewer launches than sorting the pairs by class for ``embedding_bag`` (13 leaf ops,
     measured), at the cost of atomic adds on a GPU, where the fused kernels of :mod:`hf_midx.kernels`
     run instead.
+
+    With ``factors`` (a proposal's :class:`~hf_midx.samplers.factors.ProposalFactors`) it also returns the
+    weight's (B + 2, D) bucket table (:func:`hf_midx.tail_gradient.bucket_table`) for the expected tail gradient,
+    whose gradient, spread over the classes, is written first into the (V, D) weight gradient instead of zeros.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, rows, common, chunk):
+    def forward(ctx, hidden, weight, rows, common, chunk, factors=None):
         def gathered(part: slice) -> tuple[torch.Tensor, torch.Tensor]:  # (chunk, R, D) rows, (chunk, R) float32
             w = weight.index_select(0, rows[part].reshape(-1)).view(-1, rows.shape[1], weight.shape[1])
             return w, torch.bmm(w, hidden[part].unsqueeze(2)).squeeze(2).float()
@@ -44,11 +50,12 @@ class CandidateLogits(torch.autograd.Function):
                 out[s : s + chunk] = gathered(slice(s, s + chunk))[1]
         common_rows = weight[common]  # (C, D), kept for the backward
         ctx.save_for_backward(hidden, weight, rows, common, common_rows, kept)
-        ctx.chunk = chunk
-        return out, (hidden @ common_rows.t()).float()  # (T, C): one GEMM
+        ctx.chunk, ctx.factors = chunk, factors
+        shared = (hidden @ common_rows.t()).float()  # (T, C): one GEMM
+        return (out, shared) if factors is None else (out, shared, bucket_table(factors, weight))
 
     @staticmethod
-    def backward(ctx, grad_out, grad_shared):
+    def backward(ctx, grad_out, grad_shared, grad_table=None):
         hidden, weight, rows, common, common_rows, kept = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         t, r, d = rows.shape[0], rows.shape[1], weight.shape[1]
@@ -56,7 +63,11 @@ class CandidateLogits(torch.autograd.Function):
         g = grad_out.to(weight.dtype)  # (T, R)
         h = hidden.to(weight.dtype)
         grad_hidden = torch.empty_like(hidden) if need_h and ctx.chunk < t else None
-        grad_weight = weight.new_zeros(weight.shape, dtype=acc) if need_w else None
+        grad_weight = None
+        if need_w and grad_table is not None:  # the bucket table's gradient: every class's first term
+            grad_weight = spread(ctx.factors, grad_table.to(acc))
+        elif need_w:
+            grad_weight = weight.new_zeros(weight.shape, dtype=acc)
         for s in range(0, t, ctx.chunk):
             part = slice(s, s + ctx.chunk)
             if need_h:  # grad_hidden[t] = sum_r g[t, r] weight[rows[t, r]]: the forward's gather, kept or again
@@ -80,16 +91,17 @@ class CandidateLogits(torch.autograd.Function):
                 grad_weight.index_add_(0, common, (gs.t() @ h).to(acc))
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def candidate_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, common: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, common: torch.Tensor, factors=None
+) -> tuple[torch.Tensor, ...]:
     """(T, R) and (T, C) float32 logits of ``hidden`` (T, D) against ``weight`` (V, D) rows ``rows`` (T, R) int64
-    and ``common`` (C,) int64, differentiable in ``hidden`` and ``weight`` (see :class:`CandidateLogits`)."""
+    and ``common`` (C,) int64, differentiable in ``hidden`` and ``weight`` (see :class:`CandidateLogits`); with a
+    proposal's ``factors``, also the weight's (B + 2, D) float32 bucket table, differentiable."""
     chunk = max(1, GATHER_BYTES // (rows.shape[1] * hidden.shape[1] * weight.element_size()))
-    return CandidateLogits.apply(hidden, weight, rows, common, chunk)
+    return CandidateLogits.apply(hidden, weight, rows, common, chunk, factors)
 
 
 class SampledSoftmaxTerms(torch.autograd.Function):

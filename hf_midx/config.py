@@ -133,8 +133,9 @@ class MidxConfig:
     tail_gradient: str = field(
         default=defaults.TAIL_GRADIENT,
         metadata={
-            "help": "'sampled' (default): only the drawn tail classes get a gradient; 'expected': every one gets its "
-            "expected gradient under the proposal each step (short runs from scratch; hf_midx.tail_gradient)."
+            "help": "'expected': every tail class gets its expected gradient under the proposal each step, plus the "
+            "draws' deviation from it (hf_midx.tail_gradient); 'sampled': only the drawn ones; 'auto' (default): "
+            "'expected' where it applies (per-query negatives, hits kept, a sampler with a closed form), else 'sampled'."
         },
     )
     kernels: str = field(
@@ -207,13 +208,14 @@ class MidxConfig:
             raise ValueError(f"tail_gradient must be one of {defaults.TAIL_GRADIENTS}, got {self.tail_gradient!r}.")
         drops = self.remove_accidental_hits
         drops = self.estimator == "exact-positive" if drops is None else drops
-        if self.tail_gradient == "expected" and (self.negatives == "shared" or drops):
-            # The loss would quietly keep the sampled tail gradient: say so instead.
+        if self.tail_gradient == "expected" and (
+            self.negatives == "shared" or drops or not SAMPLERS[self.sampler].has_closed_form()
+        ):
             raise ValueError(
-                "tail_gradient='expected' needs negatives='per-query' and the draws' accidental hits kept "
-                "(remove_accidental_hits=False, or the default estimator 'corrected-positive'); "
-                f"got negatives={self.negatives!r}, estimator={self.estimator!r}, "
-                f"remove_accidental_hits={self.remove_accidental_hits!r}."
+                "tail_gradient='expected' needs negatives='per-query', the draws' accidental hits kept "
+                "(remove_accidental_hits=False, or the default estimator 'corrected-positive') and a sampler with a "
+                f"closed form; got negatives={self.negatives!r}, estimator={self.estimator!r}, remove_accidental_hits="
+                f"{self.remove_accidental_hits!r}, sampler={self.sampler!r}. 'auto' takes it only where it applies."
             )
         if self.negatives not in NEGATIVE_MODES:
             raise ValueError(f"negatives must be one of {NEGATIVE_MODES}, got {self.negatives!r}.")

@@ -35,10 +35,11 @@ UNIGRAM_POWER = 1.0
 NEGATIVE_MODES = ("per-query", "shared")
 NEGATIVES = "per-query"
 #: How the per-query sampled softmax moves the tail classes (see :mod:`hf_midx.tail_gradient`): every one by its
-#: expectation under the proposal plus the draws' deviation from it, or only the drawn ones (the default: as good
-#: or better in fine-tuning and long runs, and faster; "expected" for short runs from scratch).
-TAIL_GRADIENTS = ("expected", "sampled")
-TAIL_GRADIENT = "sampled"
+#: expectation under the proposal plus the draws' deviation from it ("expected"), or only the drawn ones
+#: ("sampled"); "auto" (the default) takes "expected" wherever it applies (per-query negatives, accidental hits
+#: kept, no logit soft-cap, a proposal with a closed form: MIDX, unigram, uniform, log-uniform), else "sampled".
+TAIL_GRADIENTS = ("auto", "expected", "sampled")
+TAIL_GRADIENT = "auto"
 #: How the label's logit enters the sampled softmax (see :mod:`hf_midx.loss`).
 ESTIMATORS = ("exact-positive", "corrected-positive")
 ESTIMATOR = "corrected-positive"

@@ -157,7 +157,8 @@ def sampled_softmax_loss(
             gradient of the sampled objective; False returns the objective itself (see the module docstring).
         tail_gradient: "expected": every tail class gets its expected gradient under the proposal plus the
             draws' deviation from it (:mod:`hf_midx.tail_gradient`: same value, unbiased; per-query negatives,
-            MIDX/unigram/uniform proposals, no soft-cap, hits kept); "sampled" (default): only the drawn classes.
+            MIDX/unigram/uniform proposals, no soft-cap, hits kept); "sampled": only the drawn classes; "auto"
+            (default): "expected" where it applies, else "sampled".
         kernels: how the loss is computed from the draws. "eager" (the default here): plain PyTorch, the
             reference. "fused": per-query negatives through :func:`hf_midx.kernels.candidate_loss`'s Triton
             kernels, on the same draws (CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``; ValueError
@@ -229,8 +230,9 @@ def sampled_softmax_loss(
     corrected = estimator == "corrected-positive"
     drops = drops_accidental_hits(remove_accidental_hits, estimator)
     factors = None  # the proposal's closed form for the expected tail gradient; None: the sampled one
+    expected = _expected_tail(tail_gradient, negatives, sampler, drops, logit_softcap)
     if negatives == "per-query":
-        if tail_gradient == "expected" and not drops and logit_softcap is None:
+        if expected:
             scored = y.unsqueeze(1) if corrected else None
             drawn = sampler.draw_with_factors(queries, num_samples, scored, generator=generator)
             ids, log_q, log_q_pos, factors = drawn
@@ -271,7 +273,9 @@ def sampled_softmax_loss(
         common = torch.cat([common, pool])
         log_q = log_qbar.unsqueeze(0)  # (1, P)
         hits = pool.unsqueeze(0) == y.unsqueeze(1)
-    tok_logits, common_logits = candidate_logits(hidden, weight, rows, common)
+    # With the expected tail gradient the weight's bucket table comes with the logits: its gradient is then
+    # written into the candidates' own (V, D) weight gradient, no second one.
+    tok_logits, common_logits, *table = candidate_logits(hidden, weight, rows, common, factors)
     if bias is not None:
         tok_logits = tok_logits + bias[rows].float()
         common_logits = common_logits + bias[common].float()
@@ -313,8 +317,21 @@ def sampled_softmax_loss(
         value_adj = torch.cat([pos_value.unsqueeze(1), tail], dim=1)
     per_token, share = sampled_softmax_terms(head, cand, adj, target_adj, value_adj, valid, factors is not None)
     if factors is not None:  # the draws gave their share back; each tail class gets its expected part
-        per_token = expected_share(per_token, share, factors, hidden, weight, bias)
+        per_token = expected_share(per_token, share, factors, hidden, weight, bias, table=table[0])
     return _reduce(per_token, valid, reduction)
+
+
+def _expected_tail(tail_gradient: str, negatives: str, sampler, drops: bool, logit_softcap) -> bool:
+    """Whether the per-query loss takes the expected tail gradient ("auto": where it applies); a ValueError for
+    "expected" where it cannot apply (it would quietly keep the sampled one)."""
+    applies = negatives == "per-query" and not drops and logit_softcap is None and sampler.has_closed_form()
+    if tail_gradient == "expected" and not applies:
+        raise ValueError(
+            "tail_gradient='expected' needs per-query negatives, the accidental hits kept, no logit soft-cap and a "
+            f"sampler with a closed form (MIDX, unigram, uniform, log-uniform); got negatives={negatives!r}, "
+            f"{type(sampler).__name__}, drops hits: {drops}, logit_softcap={logit_softcap}. Use 'auto' or 'sampled'."
+        )
+    return tail_gradient != "sampled" and applies
 
 
 # The dtypes "auto" hands to the kernels, which accumulate in float32: a float64 head keeps its precision eagerly.

@@ -11,43 +11,69 @@ The control variate here keeps the estimator unbiased and gives each tail class 
 ``c * (E_Q[s] - mean_m s_m)`` (c detached, s the raw logits) adds c Q(i | z) to every tail class and takes c / M
 from each draw, zero in expectation, so the tail's gradient becomes its expectation under Q plus the draws'
 deviation from it (which vanishes when Q is the softmax). E_Q[s] = z . E_Q[w] + E_Q[b] comes in closed form from
-the proposal's factors (:class:`hf_midx.samplers.factors.ProposalFactors`): for MIDX one (T, K*K) x (K*K, D) product
-with the buckets' row sums and the static component's mean row; the weight's gradient is a gather of a (K*K, D)
-table and a rank-one term, O(V D) like the weight gradient itself, with no (tokens x vocab) tensor.
-
-Opt-in (``MidxConfig(tail_gradient="expected")``): it is what short runs from scratch need; in fine-tuning and in
-longer runs the sampled gradient did as well or better, and these passes over the (V, D) weight cost a head-bound
-step 44% more time (docs/performance.md, "Short runs").
+the proposal's factors (:class:`hf_midx.samplers.factors.ProposalFactors`): the weight's bucket table, each
+bucket's (member-weighted) row sum and the static component's mean row, (B + 2, D) from one ``embedding_bag``
+over the weight, then one (T, B) x (B, D) product. The weight's gradient is the table's gradient spread back over
+the classes: a gather of (B + 2, D) rows and a rank-one term. The eager loss
+(:class:`hf_midx.candidate_logits.CandidateLogits`) computes the table with the candidate logits and writes the
+spread as the first term of its own (V, D) weight gradient: the expected tail gradient costs two light passes over
+the weight and no second (V, D) buffer (on the CPU a fresh one costs a pass in page faults), and no (tokens x
+vocab) tensor anywhere.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
-def _bucket_means(probs, bucket, member, static, rows):
-    """(T or 1, C) float32 E_Q[rows[i] | z_t] from the factors, for (V, C) float32 rows."""
-    mean = None
-    if probs is not None:
-        src = rows if member is None else rows * member.unsqueeze(1)
-        mean = torch.mm(probs, rows.new_zeros(probs.shape[1], rows.shape[1]).index_add_(0, bucket, src))
-    if static is not None:
-        spread = torch.mm(static.unsqueeze(0), rows)  # (1, C)
-        mean = spread if mean is None else mean.add_(spread)
-    return mean
+def bucket_table(factors, rows: torch.Tensor) -> torch.Tensor:
+    """S @ rows: the (B + 2, C) bucket table of (V, C) ``rows`` (``factors.rows``), float32 (float64 for float64
+    rows), summed in the rows' dtype (no float32 copy of a bfloat16 weight: a table of 3 significant digits
+    there). No gradient (:func:`bucket_rows` is the differentiable form)."""
+    index, offsets, weights = factors.rows
+    table = F.embedding_bag(index, rows.detach(), offsets, mode="sum", per_sample_weights=weights.to(rows.dtype))
+    return table.to(torch.float64 if rows.dtype == torch.float64 else torch.float32)
 
 
-def _spread(probs, bucket, member, static, g):
-    """(V, C) float32 sum_t Q(i | z_t) g[t] for every class i, for (T, C) float32 g: the transpose of the above."""
-    out = None
-    if probs is not None:
-        table = torch.mm(probs.t(), g)  # (B, C): each bucket's share of the tokens
-        out = torch.index_select(table, 0, bucket)
-        out = out if member is None else out.mul_(member.unsqueeze(1))
-    if static is not None:
-        total = g.sum(0)
-        out = torch.outer(static, total) if out is None else out.addr_(static, total)
-    return out
+def spread(factors, grad_table: torch.Tensor) -> torch.Tensor:
+    """S^T @ grad_table, the transpose of :func:`bucket_table`: a new (V, C) tensor of ``grad_table``'s dtype for
+    a (B + 2, C) ``grad_table``, in one pass (each class reads its bucket's row and the static one)."""
+    index, offsets, weights = factors.columns
+    return F.embedding_bag(index, grad_table, offsets, mode="sum", per_sample_weights=weights.to(grad_table.dtype))
+
+
+def _mix(probs: torch.Tensor | None, table: torch.Tensor) -> torch.Tensor:
+    """(T or 1, C) E_Q[rows | z_t] from the (B + 2, C) table: probs @ its bucket rows, plus its static row."""
+    if probs is None:
+        return table[-1:]
+    return torch.addmm(table[-1], probs.to(table.dtype), table[: probs.shape[1]])
+
+
+def _mix_t(probs: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
+    """The transpose of :func:`_mix`: the (B + 2, C) table's gradient for the (T, C) gradient g of its output
+    (nothing on the empty row B)."""
+    rows = [g.new_zeros(1, g.shape[1]), g.sum(0, keepdim=True)]
+    return torch.cat(rows if probs is None else [probs.to(g.dtype).t() @ g, *rows])
+
+
+class _BucketRows(torch.autograd.Function):
+    """:func:`bucket_table` with its gradient, :func:`spread` (a new (V, C) tensor of the rows' dtype)."""
+
+    @staticmethod
+    def forward(ctx, rows, factors):
+        ctx.factors, ctx.dtype = factors, rows.dtype
+        return bucket_table(factors, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return spread(ctx.factors, grad.to(ctx.dtype)), None
+
+
+def bucket_rows(factors, rows: torch.Tensor) -> torch.Tensor:
+    """(B + 2, C) differentiable :func:`bucket_table` of (V, C) ``rows``: a new (V, C) gradient in the backward (the
+    fused kernels' path; the eager loss folds it into its own weight gradient instead)."""
+    return _BucketRows.apply(rows, factors)
 
 
 @torch.no_grad()
@@ -59,37 +85,38 @@ def expected_logit(factors, hidden, weight, bias=None) -> torch.Tensor:
         factors: :class:`~hf_midx.samplers.factors.ProposalFactors` of the (T, D) queries (the sampler's
             :meth:`~hf_midx.Sampler.proposal_factors`); hidden: (T, D); weight: (V, D); bias: (V,) or None.
     Returns:
-        (T,) float32, with no (T, V) tensor made.
+        (T,) float32 (float64 for a float64 weight), with no (T, V) tensor made.
     """
-    out = (hidden.float() * _bucket_means(*factors, weight.float())).sum(1)
-    return out if bias is None else out + _bucket_means(*factors, bias.float().unsqueeze(1)).squeeze(1)
+    mean = _mix(factors.probs, bucket_table(factors, weight))
+    out = (hidden.to(mean.dtype) * mean).sum(1)
+    return out if bias is None else out + _mix(factors.probs, bucket_table(factors, bias.unsqueeze(1))).squeeze(1)
 
 
 class _ExpectedShare(torch.autograd.Function):
-    """The loss as it is, plus the gradient of share_t * E_Q[o_t] (all of it in the backward: no op in the forward)."""
+    """The loss as it is, plus the gradient of share_t * E_Q[o_t] (all of it in the backward: no op in the forward),
+    through the bucket tables of the weight and the bias."""
 
     @staticmethod
-    def forward(ctx, loss, share, hidden, weight, bias, probs, bucket, member, static):
-        ctx.save_for_backward(share, hidden, weight, bias, probs, bucket, member, static)
+    def forward(ctx, loss, share, hidden, table, bias_table, probs):
+        ctx.save_for_backward(share, hidden, table, bias_table, probs)
         return loss.view_as(loss)
 
     @staticmethod
     def backward(ctx, grad):
-        share, hidden, weight, bias, probs, bucket, member, static = ctx.saved_tensors
-        factors = (probs, bucket, member, static)
+        share, hidden, table, bias_table, probs = ctx.saved_tensors
         # Each token's coefficient: the upstream gradient of its loss (or the reduction's, broadcast) times its share.
-        c = (grad * share).float().unsqueeze(1)  # (T, 1)
-        grad_hidden = grad_weight = grad_bias = None
+        c = (grad * share).to(table.dtype).unsqueeze(1)  # (T, 1)
+        grad_hidden = grad_table = grad_bias = None
         if ctx.needs_input_grad[2]:
-            grad_hidden = (c * _bucket_means(*factors, weight.float())).to(hidden.dtype)
+            grad_hidden = (c * _mix(probs, table)).to(hidden.dtype)
         if ctx.needs_input_grad[3]:
-            grad_weight = _spread(*factors, c * hidden.float()).to(weight.dtype)
-        if bias is not None and ctx.needs_input_grad[4]:
-            grad_bias = _spread(*factors, c).squeeze(1).to(bias.dtype)
-        return grad, None, grad_hidden, grad_weight, grad_bias, None, None, None, None
+            grad_table = _mix_t(probs, c * hidden.to(table.dtype))
+        if bias_table is not None and ctx.needs_input_grad[4]:
+            grad_bias = _mix_t(probs, c).to(bias_table.dtype)
+        return grad, None, grad_hidden, grad_table, grad_bias, None
 
 
-def expected_share(loss, share, factors, hidden, weight, bias=None) -> torch.Tensor:
+def expected_share(loss, share, factors, hidden, weight, bias=None, table=None) -> torch.Tensor:
     """``loss`` unchanged, with the gradient of sum_t share_t * E_Q[o_t] added: the expected part of the tail
     gradient, for a loss whose draws already give share_t / M back each (``tail_control`` of
     :func:`~hf_midx.candidate_logits.sampled_softmax_terms` and of the fused kernels).
@@ -99,8 +126,12 @@ def expected_share(loss, share, factors, hidden, weight, bias=None) -> torch.Ten
             per token: (T,) float32 already divided by the count for a mean); share: (T,) float32, no gradient;
         factors: :class:`~hf_midx.samplers.factors.ProposalFactors` of the queries; hidden: (T, D); weight: (V, D);
         bias: (V,) or None (autograd flows to all three).
+        table: the weight's (B + 2, D) bucket table where the caller made it, differentiable (the eager loss's, from
+            :func:`~hf_midx.candidate_logits.candidate_logits`); else :func:`bucket_rows` of ``weight`` here.
     """
-    return _ExpectedShare.apply(loss, share, hidden, weight, bias, *factors)
+    table = bucket_rows(factors, weight) if table is None else table
+    bias_table = None if bias is None else bucket_rows(factors, bias.unsqueeze(1))
+    return _ExpectedShare.apply(loss, share, hidden, table, bias_table, factors.probs)
 
 
-__all__ = ["expected_logit", "expected_share"]
+__all__ = ["bucket_rows", "bucket_table", "expected_logit", "expected_share", "spread"]

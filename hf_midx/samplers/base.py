@@ -129,6 +129,11 @@ class Sampler:
             draws, log_q, scored = self.draw_scored(queries, num_samples, ids, generator=generator)
         return draws, log_q, scored, self.proposal_factors(self._queries(queries))
 
+    @classmethod
+    def has_closed_form(cls) -> bool:
+        """Whether :meth:`proposal_factors` gives the proposal (what ``tail_gradient="expected"`` needs)."""
+        return cls.proposal_factors is not Sampler.proposal_factors
+
     def proposal_factors(self, queries: torch.Tensor) -> ProposalFactors | None:
         """Q over all classes for each of the (T, D) float32 ``queries`` (unchecked: the loss passes its own),
         as :class:`ProposalFactors`; None when the proposal has no such form (then the loss keeps its sampled

@@ -36,7 +36,7 @@ from ..quantizers import QUANTIZERS
 from ..registry import register
 from ..rng import as_counter_rng
 from .base import Sampler, mixture_log_prob
-from .factors import ProposalFactors
+from .factors import ProposalFactors, proposal_bags
 from .counts import check_counts, check_unigram_options, unigram_log_table
 
 
@@ -242,18 +242,17 @@ class MidxQuantizedSampler(MidxSampler):
             logs.append(self._log_static + math.log(a))
         self._class_logs = self._globalize(torch.stack(logs, dim=1), -math.inf)
         self._order = self._to_global(idx.order)  # the classes in CSR order, as global ids
-        # proposal_factors: the member and static columns as probabilities (0 at excluded classes); with the
-        # uniform last stage a class's share is its bucket's (1 - a) / |Omega|, put on the (T, K*K) bucket terms.
-        self._class_probs = self._class_logs.exp()
-        self._bucket_share = None
+        # proposal_factors: a class's weight in its bucket's row is its share of the bucket (times 1 - a), 0 when
+        # excluded; with the uniform last stage that share is the bucket's (1 - a) / |Omega|, put on the (T, K*K)
+        # bucket terms, and the row weight is 1 (0 when excluded).
+        class_probs = self._class_logs.exp()
+        member, self._bucket_share = class_probs[:, 0], None
         if self._log_w is None:
             share = (math.log1p(-self.mix_weight) - self._log_mass).exp()
             self._bucket_share = share.masked_fill(self._log_mass == -math.inf, 0.0)  # an empty bucket: 0, not inf
-            if self.candidates is not None:  # an excluded class in bucket 0 must add nothing: its own bucket
-                self._class_bucket_factors = self._class_bucket.masked_fill(self._class_logs[:, 0] == -math.inf, k * k)
-                self._bucket_share = torch.cat([self._bucket_share, self._bucket_share.new_zeros(1)])
-            else:
-                self._class_bucket_factors = self._class_bucket
+            member = (member > 0).float()
+        static = class_probs[:, 1] if len(logs) > 1 else None
+        self._bags = proposal_bags(self._class_bucket, member, static, k * k)
 
     # -- the proposal
     def _scores(self, q: torch.Tensor):
@@ -262,18 +261,20 @@ class MidxQuantizedSampler(MidxSampler):
         Returns s (T, 2K) float32 = [z1 . c1, z2 . c2]; the bucket logits joint (T, K*K) float32 =
         s1[k1] + s2[k2] + log W(k1, k2) (W = |Omega| or the summed frequency weights; -inf for an empty
         bucket); log Z (T, 1) float32; and the buckets' cumulative weights (T, K*K) float32, relative to
-        the row's largest bucket, for the inverse-CDF draw (a bucket below e^-87 of it is never drawn).
+        the row's largest bucket, for the inverse-CDF draw (a bucket below e^-87 of it is never drawn), with
+        their (T, K*K) float32 terms.
         """
         k = self.index.codebook_size
         s = q @ self._codewords
         joint = (s[:, :k].unsqueeze(2) + s[:, k:].unsqueeze(1)).view(-1, k * k) + self._log_mass
         top = joint.amax(1, keepdim=True)
-        cum = (joint - top).exp().cumsum(1)
-        return s, joint, cum[:, -1:].log() + top, cum
+        e = (joint - top).exp()
+        cum = e.cumsum(1)
+        return s, joint, cum[:, -1:].log() + top, cum, e
 
     def codeword_scores(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """s1 = z1 . c1 (T, K), s2 = z2 . c2 (T, K) float32 and log Z (T,) float32 of the MIDX component."""
-        s, _, log_z, _ = self._scores(q)
+        s, _, log_z, *_ = self._scores(q)
         k = self.index.codebook_size
         return s[:, :k], s[:, k:], log_z.squeeze(1)
 
@@ -285,7 +286,7 @@ class MidxQuantizedSampler(MidxSampler):
         class inside it, the static component's class and which of the two each draw keeps (both drawn:
         no host sync). A float64 uniform u of 53 bits gives u * total < total, so no zero-weight entry is drawn.
         """
-        _, joint, log_z, cum = self._scores(q)
+        _, joint, log_z, cum, e = self._scores(q)
         u = gen.rand(2 if self._log_static is None else 4, q.shape[0], m, dtype=torch.float64)
         # The clamp only matters for NaN queries (searchsorted then returns K*K): an index in range lets the
         # caller say which tensor went NaN.
@@ -300,7 +301,7 @@ class MidxQuantizedSampler(MidxSampler):
         both = draws if ids is None else torch.cat([ids, draws], dim=1)
         log_q = self._log_q(joint, log_z, both)
         out = (draws, log_q, None) if ids is None else (draws, log_q[:, ids.shape[1] :], log_q[:, : ids.shape[1]])
-        return (*out, self._factors(joint, log_z)) if factors else out
+        return (*out, self._factors(e, cum)) if factors else out
 
     def _log_q(self, joint: torch.Tensor, log_z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """log Q of (T, N) global ids from the bucket logits: the MIDX component, mixed with the static one."""
@@ -327,7 +328,7 @@ class MidxQuantizedSampler(MidxSampler):
         return self._local(draws)[0], log_q
 
     def _log_prob(self, q, ids):
-        _, joint, log_z, _ = self._scores(q)
+        _, joint, log_z, *_ = self._scores(q)
         return self._log_q(joint, log_z, self._to_global(ids))
 
     def draw_with_factors(self, queries, num_samples, ids=None, generator=None):
@@ -335,17 +336,13 @@ class MidxQuantizedSampler(MidxSampler):
         return self._draw(self._queries(queries), num_samples, gen, None if ids is None else ids.to(self.device), True)
 
     def proposal_factors(self, queries):
-        _, joint, log_z, _ = self._scores(self._queries(queries))
-        return self._factors(joint, log_z)
+        *_, cum, e = self._scores(self._queries(queries))
+        return self._factors(e, cum)
 
-    def _factors(self, joint: torch.Tensor, log_z: torch.Tensor) -> ProposalFactors:
-        probs = (joint - log_z).exp()  # (T, K*K); an empty bucket's joint is -inf
-        static = self._class_probs[:, 1] if self._class_probs.shape[1] > 1 else None
-        if self._bucket_share is None:  # the frequency last stage: a share per class
-            return ProposalFactors(probs, self._class_bucket, self._class_probs[:, 0], static)
-        if self.candidates is not None:  # one zero column for the excluded classes' bucket
-            probs = torch.cat([probs, probs.new_zeros(probs.shape[0], 1)], dim=1)
-        return ProposalFactors(probs * self._bucket_share, self._class_bucket_factors, None, static)
+    def _factors(self, e: torch.Tensor, cum: torch.Tensor) -> ProposalFactors:
+        # (T, K*K) P(bucket | z) from the draw's exponentials, in place (they are read once): an empty bucket's is 0.
+        probs = e.mul_(cum[:, -1:].reciprocal())
+        return ProposalFactors(probs if self._bucket_share is None else probs.mul_(self._bucket_share), *self._bags)
 
 
 @register

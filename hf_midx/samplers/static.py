@@ -9,7 +9,7 @@ import torch
 from .. import defaults
 from ..registry import register
 from .base import Sampler
-from .factors import ProposalFactors
+from .factors import static_factors
 from .counts import check_counts, check_unigram_options, unigram_log_table
 
 
@@ -22,6 +22,8 @@ class UniformSampler(Sampler):
 
     def __init__(self, embeddings: torch.Tensor, *, seed: int = defaults.SEED, exclude=None, **_common) -> None:
         super().__init__(embeddings, seed=seed, exclude=exclude)
+        static = self._globalize(torch.full((self.num_candidates,), 1.0 / self.num_candidates, device=self.device), 0.0)
+        self._fixed_factors = static_factors(static)
 
     def refresh(self, embeddings: torch.Tensor) -> None:
         self._check_embeddings(embeddings)
@@ -34,8 +36,7 @@ class UniformSampler(Sampler):
         return torch.full(ids.shape, -math.log(self.num_candidates), device=self.device)
 
     def proposal_factors(self, queries):
-        static = self._globalize(torch.full((self.num_candidates,), 1.0 / self.num_candidates, device=self.device), 0.0)
-        return ProposalFactors(None, None, None, static)
+        return self._fixed_factors
 
 
 class _TableSampler(Sampler):
@@ -51,10 +52,11 @@ class _TableSampler(Sampler):
     def _after_load(self) -> None:
         # float64 cumulative sum: inverse-CDF draws (no sync, unlike some multinomial paths) over V'.
         self._cum = self.log_table.double().exp().cumsum(0)
-        self._probs_all = self._globalize(self.log_table.exp(), 0.0)  # (V,) float32, 0 at excluded classes
+        probs = self._globalize(self.log_table.exp(), 0.0)  # (V,) float32, 0 at excluded classes
+        self._fixed_factors = static_factors(probs)
 
     def proposal_factors(self, queries):
-        return ProposalFactors(None, None, None, self._probs_all)
+        return self._fixed_factors
 
     def _sample(self, q, m, gen):
         ids = gen.categorical(self._cum, m, cumulative=True, rows=q.shape[0])
