@@ -31,7 +31,7 @@ class CandidateLogits(torch.autograd.Function):
     run instead.
 
     With ``factors`` (a proposal's :class:`~hf_midx.samplers.factors.ProposalFactors`) it also returns the
-    weight's (B + 2, D) bucket table (:func:`hf_midx.tail_gradient.bucket_table`) for the expected tail gradient,
+    weight's (B + 1, D) bucket table (:func:`hf_midx.tail_gradient.bucket_table`) for the expected tail gradient,
     whose gradient, spread over the classes, is written first into the (V, D) weight gradient instead of zeros.
     """
 
@@ -99,7 +99,7 @@ def candidate_logits(
 ) -> tuple[torch.Tensor, ...]:
     """(T, R) and (T, C) float32 logits of ``hidden`` (T, D) against ``weight`` (V, D) rows ``rows`` (T, R) int64
     and ``common`` (C,) int64, differentiable in ``hidden`` and ``weight`` (see :class:`CandidateLogits`); with a
-    proposal's ``factors``, also the weight's (B + 2, D) float32 bucket table, differentiable."""
+    proposal's ``factors``, also the weight's (B + 1, D) float32 bucket table, differentiable."""
     chunk = max(1, GATHER_BYTES // (rows.shape[1] * hidden.shape[1] * weight.element_size()))
     return CandidateLogits.apply(hidden, weight, rows, common, chunk, factors)
 

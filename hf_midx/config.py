@@ -133,9 +133,8 @@ class MidxConfig:
     tail_gradient: str = field(
         default=defaults.TAIL_GRADIENT,
         metadata={
-            "help": "'expected': every tail class gets its expected gradient under the proposal each step, plus the "
-            "draws' deviation from it (hf_midx.tail_gradient); 'sampled': only the drawn ones; 'auto' (default): "
-            "'expected' where it applies (per-query negatives, hits kept, a sampler with a closed form), else 'sampled'."
+            "help": "'auto' (default): 'expected' where it applies, else 'sampled'. 'expected': every tail class "
+            "moves each step by its expected gradient (hf_midx.tail_gradient); 'sampled': only the drawn ones."
         },
     )
     kernels: str = field(

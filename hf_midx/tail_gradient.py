@@ -12,13 +12,15 @@ The control variate here keeps the estimator unbiased and gives each tail class 
 from each draw, zero in expectation, so the tail's gradient becomes its expectation under Q plus the draws'
 deviation from it (which vanishes when Q is the softmax). E_Q[s] = z . E_Q[w] + E_Q[b] comes in closed form from
 the proposal's factors (:class:`hf_midx.samplers.factors.ProposalFactors`): the weight's bucket table, each
-bucket's (member-weighted) row sum and the static component's mean row, (B + 2, D) from one ``embedding_bag``
+bucket's (member-weighted) row sum and the static component's mean row, (B + 1, D) from one ``embedding_bag``
 over the weight, then one (T, B) x (B, D) product. The weight's gradient is the table's gradient spread back over
-the classes: a gather of (B + 2, D) rows and a rank-one term. The eager loss
+the classes, one ``embedding_bag`` too (each class reads its bucket's row and the static one). The eager loss
 (:class:`hf_midx.candidate_logits.CandidateLogits`) computes the table with the candidate logits and writes the
-spread as the first term of its own (V, D) weight gradient: the expected tail gradient costs two light passes over
-the weight and no second (V, D) buffer (on the CPU a fresh one costs a pass in page faults), and no (tokens x
-vocab) tensor anywhere.
+spread as the first term of its own (V, D) weight gradient: two light passes over the weight and no second (V, D)
+buffer (on the CPU a fresh one costs a pass in page faults); no (tokens x vocab) tensor anywhere.
+
+The default (``tail_gradient="auto"``) takes it wherever it applies: per-query negatives, accidental hits kept, no
+logit soft-cap, a proposal with a closed form (:meth:`hf_midx.Sampler.has_closed_form`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 
 
 def bucket_table(factors, rows: torch.Tensor) -> torch.Tensor:
-    """S @ rows: the (B + 2, C) bucket table of (V, C) ``rows`` (``factors.rows``), float32 (float64 for float64
+    """S @ rows: the (B + 1, C) bucket table of (V, C) ``rows`` (``factors.rows``), float32 (float64 for float64
     rows), summed in the rows' dtype (no float32 copy of a bfloat16 weight: a table of 3 significant digits
     there). No gradient (:func:`bucket_rows` is the differentiable form)."""
     index, offsets, weights = factors.rows
@@ -38,23 +40,22 @@ def bucket_table(factors, rows: torch.Tensor) -> torch.Tensor:
 
 def spread(factors, grad_table: torch.Tensor) -> torch.Tensor:
     """S^T @ grad_table, the transpose of :func:`bucket_table`: a new (V, C) tensor of ``grad_table``'s dtype for
-    a (B + 2, C) ``grad_table``, in one pass (each class reads its bucket's row and the static one)."""
+    a (B + 1, C) ``grad_table``, in one pass (each class reads its bucket's row and the static one)."""
     index, offsets, weights = factors.columns
     return F.embedding_bag(index, grad_table, offsets, mode="sum", per_sample_weights=weights.to(grad_table.dtype))
 
 
 def _mix(probs: torch.Tensor | None, table: torch.Tensor) -> torch.Tensor:
-    """(T or 1, C) E_Q[rows | z_t] from the (B + 2, C) table: probs @ its bucket rows, plus its static row."""
+    """(T or 1, C) E_Q[rows | z_t] from the (B + 1, C) table: probs @ its bucket rows, plus its static row."""
     if probs is None:
         return table[-1:]
     return torch.addmm(table[-1], probs.to(table.dtype), table[: probs.shape[1]])
 
 
 def _mix_t(probs: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
-    """The transpose of :func:`_mix`: the (B + 2, C) table's gradient for the (T, C) gradient g of its output
-    (nothing on the empty row B)."""
-    rows = [g.new_zeros(1, g.shape[1]), g.sum(0, keepdim=True)]
-    return torch.cat(rows if probs is None else [probs.to(g.dtype).t() @ g, *rows])
+    """The transpose of :func:`_mix`: the (B + 1, C) table's gradient for the (T, C) gradient g of its output."""
+    total = g.sum(0, keepdim=True)
+    return total if probs is None else torch.cat([probs.to(g.dtype).t() @ g, total])
 
 
 class _BucketRows(torch.autograd.Function):
@@ -71,7 +72,7 @@ class _BucketRows(torch.autograd.Function):
 
 
 def bucket_rows(factors, rows: torch.Tensor) -> torch.Tensor:
-    """(B + 2, C) differentiable :func:`bucket_table` of (V, C) ``rows``: a new (V, C) gradient in the backward (the
+    """(B + 1, C) differentiable :func:`bucket_table` of (V, C) ``rows``: a new (V, C) gradient in the backward (the
     fused kernels' path; the eager loss folds it into its own weight gradient instead)."""
     return _BucketRows.apply(rows, factors)
 
@@ -126,7 +127,7 @@ def expected_share(loss, share, factors, hidden, weight, bias=None, table=None) 
             per token: (T,) float32 already divided by the count for a mean); share: (T,) float32, no gradient;
         factors: :class:`~hf_midx.samplers.factors.ProposalFactors` of the queries; hidden: (T, D); weight: (V, D);
         bias: (V,) or None (autograd flows to all three).
-        table: the weight's (B + 2, D) bucket table where the caller made it, differentiable (the eager loss's, from
+        table: the weight's (B + 1, D) bucket table where the caller made it, differentiable (the eager loss's, from
             :func:`~hf_midx.candidate_logits.candidate_logits`); else :func:`bucket_rows` of ``weight`` here.
     """
     table = bucket_rows(factors, weight) if table is None else table

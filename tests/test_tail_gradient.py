@@ -134,30 +134,50 @@ def test_the_expected_tail_gradient_is_unbiased_and_less_noisy():
     assert variance["expected"] < 0.5 * variance["sampled"], variance  # summed over the tail rows' entries
 
 
-def test_the_config_switches_it_on_for_the_head():
+def test_the_config_switches_it_on_for_the_head_and_auto_is_the_default():
     weight, _, counts = _setup(dtype=torch.float32)
     rows = {}
-    for tail in ("expected", "sampled"):
+    for tail in ("auto", "expected", "sampled"):
         linear = torch.nn.Linear(D, V, bias=False)
         linear.weight.data.copy_(weight)
         head = MidxLMHead(linear, MidxConfig(tail_gradient=tail, exact_head=64, codebook_size=8), class_counts=counts)
         head.loss(torch.randn(T, D), torch.randint(0, V, (T,))).backward()
         rows[tail] = int((head.weight.grad.abs().sum(1) > 0).sum())
-    assert rows["expected"] == V and rows["sampled"] < V // 2
-    assert MidxConfig().tail_gradient == "sampled"
+    assert rows["auto"] == rows["expected"] == V and rows["sampled"] < V // 2
+    assert MidxConfig().tail_gradient == "auto"
 
 
-def test_unknown_tail_gradient_is_refused():
+def test_unknown_or_inapplicable_tail_gradient_is_refused():
     with pytest.raises(ValueError, match="tail_gradient"):
         MidxConfig(tail_gradient="dense")
-    for changes in (dict(negatives="shared"), dict(estimator="exact-positive"), dict(remove_accidental_hits=True)):
+    inapplicable = (dict(negatives="shared"), dict(estimator="exact-positive"), dict(remove_accidental_hits=True),
+                    dict(sampler="lsh"), dict(sampler="midx-exact"))
+    for changes in inapplicable:
         with pytest.raises(ValueError, match="tail_gradient='expected' needs"):
             MidxConfig(tail_gradient="expected", **changes)
+        assert MidxConfig(**changes).tail_gradient == "auto"  # auto: the sampled one there, no error
     assert MidxConfig(tail_gradient="expected", estimator="exact-positive", remove_accidental_hits=False)
     weight, _, counts = _setup(dtype=torch.float32)
     sampler = build_sampler("unigram", weight, class_counts=counts)
+    h, y = torch.randn(T, D), torch.randint(0, V, (T,))
     with pytest.raises(ValueError, match="tail_gradient"):
-        sampled_softmax_loss(torch.randn(2, D), weight, torch.tensor([0, 1]), sampler, 4, tail_gradient="x")
+        sampled_softmax_loss(h, weight, y, sampler, 4, tail_gradient="x")
+    for kw in (dict(logit_softcap=30.0), dict(negatives="shared"), dict(remove_accidental_hits=True)):
+        with pytest.raises(ValueError, match="tail_gradient='expected' needs"):
+            sampled_softmax_loss(h, weight, y, sampler, 4, tail_gradient="expected", **kw)
+    lsh = build_sampler("lsh", weight)
+    with pytest.raises(ValueError, match="LSHSampler"):
+        sampled_softmax_loss(h, weight, y, lsh, 4, tail_gradient="expected")
+    # "auto" where the expected tail gradient does not apply: the sampled gradient, the same draws and value.
+    for sampler_, kw in ((sampler, dict(logit_softcap=30.0)), (lsh, {})):
+        grads = []
+        for tail in ("auto", "sampled"):
+            w = weight.clone().requires_grad_()
+            loss = sampled_softmax_loss(h, w, y, sampler_, 4, generator=CounterRNG(1), tail_gradient=tail, **kw)
+            loss.backward()
+            grads.append((float(loss), w.grad))
+        assert grads[0][0] == grads[1][0]
+        torch.testing.assert_close(grads[0][1], grads[1][1])
 
 
 def test_no_tokens_by_vocabulary_tensor_is_made():
