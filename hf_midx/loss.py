@@ -50,7 +50,7 @@ from ._checks import check_ids, check_matrix, check_positive_int
 from ._ops import soft_cap
 from .candidate_logits import candidate_logits, sampled_softmax_terms
 from .defaults import ESTIMATORS, KERNEL_MODES, NEGATIVE_MODES  # noqa: F401 (the label's logit; the negatives)
-from .tail_gradient import expected_share
+from .tail_gradient import asks_closed_form, check_closed_form, expected_share
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -230,12 +230,13 @@ def sampled_softmax_loss(
     corrected = estimator == "corrected-positive"
     drops = drops_accidental_hits(remove_accidental_hits, estimator)
     factors = None  # the proposal's closed form for the expected tail gradient; None: the sampled one
-    expected = _expected_tail(tail_gradient, negatives, sampler, drops, logit_softcap)
+    expected = asks_closed_form(tail_gradient, negatives, drops, logit_softcap)
     if negatives == "per-query":
         if expected:
             scored = y.unsqueeze(1) if corrected else None
             drawn = sampler.draw_with_factors(queries, num_samples, scored, generator=generator)
             ids, log_q, log_q_pos, factors = drawn
+            check_closed_form(factors, tail_gradient, sampler)
             log_q_pos = None if log_q_pos is None else log_q_pos.squeeze(1)
         elif corrected:
             ids, log_q, log_q_pos = sampler.draw_scored(queries, num_samples, y.unsqueeze(1), generator=generator)
@@ -319,19 +320,6 @@ def sampled_softmax_loss(
     if factors is not None:  # the draws gave their share back; each tail class gets its expected part
         per_token = expected_share(per_token, share, factors, hidden, weight, bias, table=table[0])
     return _reduce(per_token, valid, reduction)
-
-
-def _expected_tail(tail_gradient: str, negatives: str, sampler, drops: bool, logit_softcap) -> bool:
-    """Whether the per-query loss takes the expected tail gradient ("auto": where it applies); a ValueError for
-    "expected" where it cannot apply (it would quietly keep the sampled one)."""
-    applies = negatives == "per-query" and not drops and logit_softcap is None and sampler.has_closed_form()
-    if tail_gradient == "expected" and not applies:
-        raise ValueError(
-            "tail_gradient='expected' needs per-query negatives, the accidental hits kept, no logit soft-cap and a "
-            f"sampler with a closed form (MIDX, unigram, uniform, log-uniform); got negatives={negatives!r}, "
-            f"{type(sampler).__name__}, drops hits: {drops}, logit_softcap={logit_softcap}. Use 'auto' or 'sampled'."
-        )
-    return tail_gradient != "sampled" and applies
 
 
 # The dtypes "auto" hands to the kernels, which accumulate in float32: a float64 head keeps its precision eagerly.

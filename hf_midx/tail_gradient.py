@@ -135,4 +135,27 @@ def expected_share(loss, share, factors, hidden, weight, bias=None, table=None) 
     return _ExpectedShare.apply(loss, share, hidden, table, bias_table, factors.probs)
 
 
-__all__ = ["bucket_rows", "bucket_table", "expected_logit", "expected_share", "spread"]
+def asks_closed_form(tail_gradient: str, negatives: str, drops: bool, logit_softcap) -> bool:
+    """Whether a loss asks its sampler for the closed form (:class:`~hf_midx.samplers.factors.ProposalFactors`),
+    for the expected tail gradient: "auto" where it applies; a ValueError for "expected" where it cannot (the loss
+    would quietly keep the sampled one)."""
+    applies = negatives == "per-query" and not drops and logit_softcap is None
+    if tail_gradient == "expected" and not applies:
+        raise ValueError(
+            "tail_gradient='expected' needs per-query negatives, the accidental hits kept and no logit soft-cap; got "
+            f"negatives={negatives!r}, drops hits: {drops}, logit_softcap={logit_softcap}. Use 'auto' or 'sampled'."
+        )
+    return tail_gradient != "sampled" and applies
+
+
+def check_closed_form(factors, tail_gradient: str, sampler) -> None:
+    """A ValueError when "expected" was asked of a sampler without a closed form ("auto" then keeps the sampled
+    tail gradient)."""
+    if factors is None and tail_gradient == "expected":
+        raise ValueError(
+            f"tail_gradient='expected' needs a sampler with a closed form (MIDX, unigram, uniform, log-uniform); "
+            f"{type(sampler).__name__} has none. Use 'auto' or 'sampled'."
+        )
+
+
+__all__ = ["asks_closed_form", "bucket_rows", "check_closed_form", "bucket_table", "expected_logit", "expected_share", "spread"]
