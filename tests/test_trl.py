@@ -67,8 +67,9 @@ def test_sft_trainer_trains_through_the_sampler(tmp_path):
         with_kwargs=True,
         prepend=True,  # before the head's own hook, which takes fused_lm_head out of the call
     )
-    # The default (corrected-positive) estimator draws and scores the labels in one call.
-    sampler_draw = head.sampler.draw_scored
+    # The default (corrected-positive estimator, expected tail gradient) draws, scores the labels and gives the
+    # proposal's closed form in one call.
+    sampler_draw = head.sampler.draw_with_factors
 
     def counting_draw(*args, **kwargs):
         # The logged diagnostics draw too, with a generator of their own; the training draws use the sampler's.
