@@ -51,8 +51,8 @@ else:  # run as a file: this folder is first on sys.path
 NAME = "short_runs"
 SEQ, BATCH, LR, EVAL_BLOCKS, PROBE = 128, 8, 2e-3, 64, 64
 
-#: MidxConfig changes of each configuration (None: the full softmax, unwrapped); the refresh variants rebuild the
-#: index every 50 / 100 steps.
+#: MidxConfig changes of each configuration (None: the full softmax, unwrapped; "default": none, so the tail gradient
+#: is "auto", the expected one here); the refresh variants rebuild the index every 50 / 100 steps.
 CONFIGS: dict[str, dict | None] = {
     "full": None,
     "default": {},
