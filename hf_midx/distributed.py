@@ -8,7 +8,7 @@ it together. Single-process runs skip the communication. The head is used throug
 module imports no transformers and not the head's module.
 
 Sharded heads: FSDP2 ``DTensor`` weights are gathered with ``full_tensor()``, DeepSpeed ZeRO-3 ones with
-``deepspeed.zero.GatheredParameters`` (untested). FSDP1 (flat parameters) is not supported.
+``deepspeed.zero.GatheredParameters`` (:mod:`hf_midx.zero`). FSDP1 (flat parameters) is not supported.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .rng import CounterRNG
 from .state import GENERATOR_KEY
+from .zero import gathered, local_part
 
 
 def is_distributed() -> bool:
@@ -78,15 +79,19 @@ def refuse_data_parallel(args) -> None:
         )
 
 
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``weight``: a ``DTensor``'s local shard, a ZeRO-3 parameter's slice, or itself."""
+    return weight.to_local() if callable(getattr(weight, "to_local", None)) else local_part(weight)
+
+
 def local_device(weight: torch.Tensor) -> torch.device:
-    """The device of this process's part of ``weight`` (a ``DTensor``'s local shard)."""
-    local = weight.to_local() if callable(getattr(weight, "to_local", None)) else weight
-    return local.device
+    """The device of this process's part of ``weight`` (a ``DTensor``'s local shard, a ZeRO-3 slice)."""
+    return _local(weight).device
 
 
 def weight_finite(weight: torch.Tensor) -> bool:
     """True when this process's part of ``weight`` holds no NaN/Inf (one sync)."""
-    local = weight.to_local() if callable(getattr(weight, "to_local", None)) else weight
+    local = _local(weight)
     return local.numel() == 0 or bool(torch.isfinite(local.detach()).all())
 
 
@@ -101,14 +106,9 @@ def full_head_weight(head):
     if callable(getattr(weight, "full_tensor", None)):  # FSDP2 / tensor-parallel DTensor
         full_bias = bias.full_tensor() if callable(getattr(bias, "full_tensor", None)) else bias
         yield weight.full_tensor().detach(), None if full_bias is None else full_bias.detach()
-    elif getattr(weight, "ds_id", None) is not None:  # DeepSpeed ZeRO-3 (untested)
-        import deepspeed
-
-        params = [p for p in (weight, bias) if p is not None]
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            yield weight.detach(), None if bias is None else bias.detach()
     else:
-        yield weight.detach(), None if bias is None else bias.detach()
+        with gathered([weight, bias]):  # DeepSpeed ZeRO-3; nothing to do for a whole weight
+            yield weight.detach(), None if bias is None else bias.detach()
 
 
 def sampler_device(head) -> torch.device:

@@ -24,6 +24,7 @@ from .exact_head import exact_head_ids
 from .loss import full_softmax_loss, sampled_softmax_loss
 from .registry import build_sampler  # any hf_midx import runs hf_midx/__init__, which registers the samplers
 from .step_data import StepData
+from .zero import full_shape
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class MidxLMHead(nn.Module):
         sampler: the proposal (:class:`hf_midx.Sampler`), built from the head weight at wrap time.
         linear: the original ``nn.Linear`` (not a submodule); while wrapped its ``weight``/``bias`` are
             None (the head holds them), and :func:`hf_midx.unwrap` gives them back.
-        num_classes: V, the number of output classes (rows of the weight).
+        num_classes: V, the output classes, and ``in_features`` D: kept (a ZeRO-3 weight is a (0,) slice).
         logit_softcap: ``cap`` in ``cap * tanh(logits / cap)`` (Gemma-2's ``final_logit_softcapping``) or None.
         logit_scale: the host's logit factor (Cohere's ``logit_scale``, 1 / Granite's ``logits_scaling``) or 1.0.
         exact_ids: (H,) int64 ids of the exact head (:mod:`hf_midx.exact_head`), scored exactly for each token, or None.
@@ -53,11 +54,10 @@ class MidxLMHead(nn.Module):
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
         self.__dict__["linear"] = linear  # kept out of _modules so its keys do not appear twice
-        self.num_classes = int(self.weight.shape[0])
+        self.num_classes, self._in_features = (int(n) for n in full_shape(self.weight))  # wrap gathers a ZeRO-3 one
         # The values in use (exact_head at most V / 8): what midx_config.json and the card then show.
         config = self.config = config.for_vocabulary(self.num_classes)
-        self.logit_softcap, self.logit_scale = logit_softcap, float(logit_scale)
-        self.binding = None
+        self.logit_softcap, self.logit_scale, self.binding = logit_softcap, float(logit_scale), None
         self.step_data = StepData(config.kl_queries)
         self._class_counts, self._exact_depth = class_counts, 0
         self.exact_ids: torch.Tensor | None = exact_head_ids(config.exact_head, class_counts, self.num_classes)
@@ -73,8 +73,8 @@ class MidxLMHead(nn.Module):
         self._release_linear()  # last: a failed construction leaves the model's Linear as it was
 
     # ------------------------------------------------------------------ nn.Linear look-alike
-    in_features = property(lambda self: int(self.weight.shape[1]), doc="D, the input features.")
-    out_features = property(lambda self: int(self.weight.shape[0]), doc="V, the output features.")
+    in_features = property(lambda self: self._in_features, doc="D, the input features.")
+    out_features = property(lambda self: self.num_classes, doc="V, the output features.")
 
     def extra_repr(self) -> str:
         cfg = self.config

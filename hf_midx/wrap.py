@@ -21,6 +21,7 @@ from .binding import HostBinding, MidxFusedOutput, uses_causal_lm_loss
 from .config import MidxConfig
 from .head import MidxLMHead, find_head
 from ._ops import soft_cap
+from .zero import full_shape, gathered
 
 def wrap(
     model: nn.Module,
@@ -41,7 +42,9 @@ def wrap(
             weights are accepted, since only their ratios are used.
         verify: run two 8-token forwards in eval mode to check that the head reproduces the model's
             logits and loss (catches architectures that post-process logits in ways the head does
-            not model); skipped with a warning if the model cannot run on plain ``input_ids``.
+            not model); skipped with a warning if the model cannot run on plain ``input_ids``. A model
+            partitioned by DeepSpeed ZeRO-3 is gathered whole for these forwards: pass ``verify=False``
+            where it does not fit on one device.
         **overrides: MidxConfig fields to change, e.g. ``num_samples=256``.
     Raises:
         ValueError: no usable output layer, already wrapped, ``num_samples`` >= vocabulary size,
@@ -74,7 +77,7 @@ def wrap(
             f"{type(model).__name__}.get_output_embeddings() is a {type(linear).__name__}, not an nn.Linear; "
             "MidxLMHead wraps a plain linear LM head (apply PEFT adapters to the backbone only, not to lm_head)."
         )
-    vocab, _ = linear.weight.shape
+    vocab, _ = full_shape(linear.weight)  # a DeepSpeed ZeRO-3 weight is a (0,) slice here
     if config.num_samples >= vocab:
         raise ValueError(
             f"num_samples={config.num_samples} is not smaller than the vocabulary size {vocab}: sampling buys "
@@ -95,13 +98,14 @@ def wrap(
     if is_number(getattr(text_config, "logits_scaling", None)):
         scale /= float(text_config.logits_scaling)  # Granite
 
-    head = MidxLMHead(
-        linear,
-        config,
-        class_counts=class_counts,
-        logit_softcap=float(softcap) if softcap is not None else None,
-        logit_scale=scale,
-    )
+    with gathered([linear.weight, linear.bias]):  # the sampler is built from the full (V, D) weight
+        head = MidxLMHead(
+            linear,
+            config,
+            class_counts=class_counts,
+            logit_softcap=float(softcap) if softcap is not None else None,
+            logit_scale=scale,
+        )
     # A new Module starts in training mode; the head must follow the model's mode (from_pretrained
     # returns models in eval mode, whose loss must stay exact until someone calls train()).
     head.train(linear.training)
@@ -145,7 +149,17 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 @torch.no_grad()
 def _verify(binding: HostBinding) -> None:
-    """Check on 8 tokens that the head's logit transform and loss path reproduce the host's."""
+    """Check on 8 tokens that the head's logit transform and loss path reproduce the host's.
+
+    A model built under DeepSpeed ZeRO-3 (``TrainingArguments`` with a stage-3 config created first) has every
+    parameter partitioned and no engine yet to gather them around each forward: the check gathers the whole
+    model once, for these two 8-token forwards (``wrap(..., verify=False)`` where it cannot fit on one device).
+    """
+    with gathered(binding.host.parameters()):
+        _verify_gathered(binding)
+
+
+def _verify_gathered(binding: HostBinding) -> None:
     head, host = binding.head, binding.host
     modes = [(m, m.training) for m in host.modules()]
     vocab = head.num_classes
