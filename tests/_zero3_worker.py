@@ -4,8 +4,7 @@ Usage: DS_ACCELERATOR=cpu python -m torch.distributed.run --standalone --nproc_p
            tests/_zero3_worker.py OUT_DIR ARCH [ARCH ...]
 
 For each architecture (``llama``: untied head, per-query negatives; ``gpt2``: tied head, shared negatives, learned
-codebooks),
-V = 4,096, both ranks load the same saved tiny model and train 6 steps five times, as users run it:
+codebooks), V = 4,096, both ranks load the same saved tiny model and train 6 steps in each of these runs:
 
 * ``ddp``: the reference, plain DDP (no DeepSpeed) with MidxTrainer;
 * ``zero2``: ZeRO-2 (whole parameters), MidxTrainer;
@@ -13,12 +12,13 @@ V = 4,096, both ranks load the same saved tiny model and train 6 steps five time
   start), MidxTrainer; a checkpoint at step 3, ``evaluate()`` and ``save_model`` at the end;
 * ``after``: ZeRO-3, ``TrainingArguments`` first, so that transformers loads the model already partitioned
   (the head weight is a (0,) slice when it is wrapped), a plain ``Trainer`` with ``MidxCallback.install``;
-* ``resume``: as ``after``, MidxTrainer resumed from ``before``'s checkpoint at step 3.
+* ``resume``: as ``after``, MidxTrainer resumed from ``before``'s checkpoint at step 3 (steps 4-6); then a
+  model of another ``codebook_size`` is checked against that checkpoint (one ``ValueError``).
 
 Then the model ``before`` saved is loaded with plain transformers (no hf_midx, no DeepSpeed) and its exact
 loss on the evaluation rows is computed. Rank 0 writes OUT_DIR/result.json with the per-step losses, the
-sampler states' equality, the saved model's loss and the ``repr`` of the partitioned wrapped model; the test
-compares them. Exits non-zero on an exception.
+sampler states' equality, the saved model's loss, the ``repr`` of the partitioned wrapped model and what ``unwrap`` gives
+back; the test compares them. Exits non-zero on an exception.
 """
 
 from __future__ import annotations
