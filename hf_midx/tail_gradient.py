@@ -11,13 +11,30 @@ The control variate here keeps the estimator unbiased and gives each tail class 
 ``c * (E_Q[s] - mean_m s_m)`` (c detached, s the raw logits) adds c Q(i | z) to every tail class and takes c / M
 from each draw, zero in expectation, so the tail's gradient becomes its expectation under Q plus the draws'
 deviation from it (which vanishes when Q is the softmax). E_Q[s] = z . E_Q[w] + E_Q[b] comes in closed form from
-the proposal's factors (:class:`hf_midx.samplers.factors.ProposalFactors`): the weight's bucket table, each
-bucket's (member-weighted) row sum and the static component's mean row, (B + 1, D) from one ``embedding_bag``
-over the weight, then one (T, B) x (B, D) product. The weight's gradient is the table's gradient spread back over
-the classes, one ``embedding_bag`` too (each class reads its bucket's row and the static one). The eager loss
-(:class:`hf_midx.candidate_logits.CandidateLogits`) computes the table with the candidate logits and writes the
-spread as the first term of its own (V, D) weight gradient: two light passes over the weight and no second (V, D)
-buffer (on the CPU a fresh one costs a pass in page faults); no (tokens x vocab) tensor anywhere.
+the proposal's factors (:class:`hf_midx.samplers.factors.ProposalFactors`: Q(i | z_t) = sum_b probs[t, b] S[b, i] +
+S[B, i], each class i in one bucket with its member weight, plus its static weight in row B): the weight's (B + 1, D)
+bucket table S @ W, then one (T, B) x (B, D) product.
+
+The table's layout. A bucket's row is a sum over its classes and the static row one over all V; summed as one bag
+each, the static row would be a chain of V dependent loads on one thread (CUDA's ``embedding_bag`` walks a bag with
+one thread per feature; the CPU's gives a bag to one core). So S is laid out at each refresh
+(:class:`~hf_midx.samplers.factors.TableLayout`) as the drawn classes in bucket order, cut into chunks of at most
+:data:`~hf_midx.samplers.factors.CHUNK` classes (B + V // CHUNK chunks, padded with empty ones: shapes fixed by
+(V, B), no host sync, no data-dependent shape in a step): one ``embedding_bag`` gives every chunk's member- and
+static-weighted sums (each chunk twice in a row, its rows read once from memory), a second adds each bucket's
+chunk sums into its row, and a sum of the static partials gives row B; a static proposal's one row is a GEMV. The
+exact head's classes (weight 0) are not read.
+
+The weight's gradient is the table's gradient G (B + 1, D) spread back over the classes, each class v
+member[v] G[bucket[v]] + static[v] G[B] (:func:`spread`, one ``embedding_bag`` of V bags of two rows). The eager
+loss (:class:`hf_midx.candidate_logits.CandidateLogits`) computes the table with the candidate logits and writes
+the spread as the first term of its own (V, D) weight gradient, into which the candidates' pairs are then added: the
+gradient written once, no second (V, D) tensor and no add of two (on the CPU a fresh one costs a pass in page
+faults). The fused kernels (:mod:`hf_midx.kernels`) read ``bucket``, ``member``, ``static`` and G the same way in
+their weight gradient's pass; :func:`bucket_rows` (the table with a spread in its backward) serves a caller that
+folds nothing. The tail's two (T x B x D) products (probs @ table, probs^T @ (c hidden)) run in the weight's dtype:
+bfloat16 / float16 with float32 accumulation on tensor cores, float32 otherwise. No (tokens x vocab) tensor
+anywhere.
 
 The default (``tail_gradient="auto"``) takes it wherever it applies: per-query negatives, accidental hits kept, no
 logit soft-cap, a proposal with a closed form (:meth:`hf_midx.Sampler.has_closed_form`).
@@ -30,32 +47,55 @@ import torch.nn.functional as F
 
 
 def bucket_table(factors, rows: torch.Tensor) -> torch.Tensor:
-    """S @ rows: the (B + 1, C) bucket table of (V, C) ``rows`` (``factors.rows``), float32 (float64 for float64
-    rows), summed in the rows' dtype (no float32 copy of a bfloat16 weight: a table of 3 significant digits
-    there). No gradient (:func:`bucket_rows` is the differentiable form)."""
-    index, offsets, weights = factors.rows
-    table = F.embedding_bag(index, rows.detach(), offsets, mode="sum", per_sample_weights=weights.to(rows.dtype))
-    return table.to(torch.float64 if rows.dtype == torch.float64 else torch.float32)
+    """S @ rows: the (B + 1, C) bucket table of (V, C) ``rows``, float32 (float64 for float64 rows), no gradient
+    (:func:`bucket_rows` is the differentiable form).
+
+    Summed in the rows' dtype (no float32 copy of a bfloat16 weight) in parallel pieces (see the module docstring):
+    one ``embedding_bag`` of chunks of at most :data:`~hf_midx.samplers.factors.CHUNK` classes (each chunk's member-
+    and static-weighted sums), one of the chunks' partials into their buckets' rows, one sum of the static
+    partials into row B; a static proposal's one row is a GEMV. The classes the proposal never draws are not read
+    (but by that GEMV)."""
+    rows = rows.detach()
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    chunks, chunk_ids, chunk_offsets, _ = factors.layout
+    if chunks is None:  # B = 0: S is the static row
+        return torch.mv(rows.t(), factors.static.to(rows.dtype)).unsqueeze(0).to(acc)
+    index, offsets, weights = chunks
+    partials = F.embedding_bag(index, rows, offsets, mode="sum", per_sample_weights=weights.to(rows.dtype))
+    # (B + 1, C): bucket b's chunks added into row b; row B sums the padding chunks (zeros) until the static row.
+    table = F.embedding_bag(chunk_ids, partials, chunk_offsets, mode="sum")
+    if factors.static is not None:  # the odd partials: each chunk's classes static-weighted
+        torch.sum(partials[1::2], 0, out=table[-1])
+    return table.to(acc)
 
 
 def spread(factors, grad_table: torch.Tensor) -> torch.Tensor:
     """S^T @ grad_table, the transpose of :func:`bucket_table`: a new (V, C) tensor of ``grad_table``'s dtype for
-    a (B + 1, C) ``grad_table``, in one pass (each class reads its bucket's row and the static one)."""
-    index, offsets, weights = factors.columns
+    a (B + 1, C) ``grad_table``, each class member[v] * grad_table[bucket[v]] + static[v] * grad_table[B], in one
+    pass (one ``embedding_bag`` of V bags of at most 2 rows: measured on the CPU faster than a gather and a
+    multiply-add, which make two more passes over the (V, C) output)."""
+    index, offsets, weights = factors.layout.columns
     return F.embedding_bag(index, grad_table, offsets, mode="sum", per_sample_weights=weights.to(grad_table.dtype))
 
 
-def _mix(probs: torch.Tensor | None, table: torch.Tensor) -> torch.Tensor:
-    """(T or 1, C) E_Q[rows | z_t] from the (B + 1, C) table: probs @ its bucket rows, plus its static row."""
+def _mix(probs: torch.Tensor | None, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(T or 1, C) E_Q[rows | z_t] in ``dtype`` from the (B + 1, C) table: probs @ its bucket rows, plus its static
+    row (a bfloat16 or float16 product accumulates in float32, as torch's matmuls do)."""
     if probs is None:
-        return table[-1:]
-    return torch.addmm(table[-1], probs.to(table.dtype), table[: probs.shape[1]])
+        return table[-1:].to(dtype)
+    return torch.addmm(table[-1].to(dtype), probs.to(dtype), table[: probs.shape[1]].to(dtype))
 
 
-def _mix_t(probs: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
-    """The transpose of :func:`_mix`: the (B + 1, C) table's gradient for the (T, C) gradient g of its output."""
-    total = g.sum(0, keepdim=True)
-    return total if probs is None else torch.cat([probs.to(g.dtype).t() @ g, total])
+def _mix_t(probs: torch.Tensor | None, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The transpose of :func:`_mix`: the (B + 1, C) table's gradient in ``dtype`` (float32 or float64) for the
+    (T, C) gradient g of its output, the product in g's dtype; each part written in place, no concatenation."""
+    out = g.new_empty((1 if probs is None else probs.shape[1] + 1, g.shape[1]), dtype=dtype)
+    torch.sum(g, 0, dtype=dtype, out=out[-1])
+    if probs is not None and g.dtype == dtype:
+        torch.mm(probs.t().to(dtype), g, out=out[:-1])
+    elif probs is not None:  # a bfloat16 / float16 product (float32 accumulation), then widened
+        out[:-1] = probs.t().to(g.dtype) @ g
+    return out
 
 
 class _BucketRows(torch.autograd.Function):
@@ -88,9 +128,13 @@ def expected_logit(factors, hidden, weight, bias=None) -> torch.Tensor:
     Returns:
         (T,) float32 (float64 for a float64 weight), with no (T, V) tensor made.
     """
-    mean = _mix(factors.probs, bucket_table(factors, weight))
+    table = bucket_table(factors, weight)
+    mean = _mix(factors.probs, table, table.dtype)
     out = (hidden.to(mean.dtype) * mean).sum(1)
-    return out if bias is None else out + _mix(factors.probs, bucket_table(factors, bias.unsqueeze(1))).squeeze(1)
+    if bias is None:
+        return out
+    bias_table = bucket_table(factors, bias.unsqueeze(1))
+    return out + _mix(factors.probs, bias_table, bias_table.dtype).squeeze(1)
 
 
 class _ExpectedShare(torch.autograd.Function):
@@ -107,13 +151,16 @@ class _ExpectedShare(torch.autograd.Function):
         share, hidden, table, bias_table, probs = ctx.saved_tensors
         # Each token's coefficient: the upstream gradient of its loss (or the reduction's, broadcast) times its share.
         c = (grad * share).to(table.dtype).unsqueeze(1)  # (T, 1)
+        # The two (T x B x C) products in the weight's dtype (hidden is already in it): bfloat16 / float16 on tensor
+        # cores, accumulated in float32; float32 or float64 in the table's.
+        dt = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float16) else table.dtype
         grad_hidden = grad_table = grad_bias = None
         if ctx.needs_input_grad[2]:
-            grad_hidden = (c * _mix(probs, table)).to(hidden.dtype)
+            grad_hidden = (c.to(dt) * _mix(probs, table, dt)).to(hidden.dtype)
         if ctx.needs_input_grad[3]:
-            grad_table = _mix_t(probs, c * hidden.to(table.dtype))
+            grad_table = _mix_t(probs, c.to(dt) * hidden.to(dt), table.dtype)
         if bias_table is not None and ctx.needs_input_grad[4]:
-            grad_bias = _mix_t(probs, c).to(bias_table.dtype)
+            grad_bias = _mix_t(probs, c.to(bias_table.dtype), bias_table.dtype)
         return grad, None, grad_hidden, grad_table, grad_bias, None
 
 

@@ -1,5 +1,5 @@
 """The eager training step in few ATen ops, the same at every T (issue 36: at most 120 with the sampled tail
-gradient; the default ``tail_gradient="auto"``, the expected tail gradient here, adds its own 18: at most 140).
+gradient; the default ``tail_gradient="auto"``, the expected tail gradient here, adds its own 19: at most 140).
 
 On a GPU one ATen op is about one kernel launch, and a step made of hundreds of small ops is launch-bound.
 ``recipes/benchmarks/profile_head.py``'s :func:`count_ops` counts the leaf ops of the profiler's tree (so that
@@ -18,8 +18,8 @@ import hf_midx
 from recipes.benchmarks.profile_head import FREE_OPS, count_ops
 
 MAX_OPS = 120
-#: With the expected tail gradient: the draws' share, the proposal's factors, the bucket table and the expected
-#: part (18 ops: 136 in all).
+#: With the expected tail gradient: the draws' share, the proposal's factors, the bucket table (its chunks, their
+#: buckets, the static row) and the expected part (19 ops: 137 in all).
 MAX_OPS_EXPECTED_TAIL = 140
 
 
@@ -60,3 +60,34 @@ def test_the_counter_counts_leaves_and_not_views():
     assert [op for op, _ in ops] == ["mm", "copy_"]
     assert "view" in FREE_OPS and "empty" in FREE_OPS and "copy_" not in FREE_OPS
     assert len(count_ops(lambda: torch.logsumexp(x, 1))) > 1
+
+
+def test_default_step_has_no_long_bag_and_one_new_vocabulary_sized_tensor():
+    """What a GPU would serialize or pay in passes over the weight: no ``embedding_bag`` bag walks more than 4,096
+    classes (CUDA gives a bag one thread per feature; the static row of all V classes was one bag), and one op of
+    the step creates a new (V, D) tensor (the weight gradient, written once; the expected tail's spread is its
+    first term, not a second tensor added to it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    v, d = 16384, 12
+    head, step = _default_head_step(64, num_classes=v, dim=d)
+    bags, created = [], []
+
+    class Trace(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.__name__.split(".")[0]
+            if name in ("_embedding_bag", "_embedding_bag_forward_only"):
+                index, offsets = args[1], args[2]
+                last = index.shape[0] if not (len(args) > 7 and args[7]) else int(offsets[-1])  # include_last_offset
+                bags.append(int(torch.diff(offsets, append=offsets.new_tensor([last])).max()))
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor) and tuple(o.shape) == (v, d) and o.untyped_storage().data_ptr() not in inputs:
+                    created.append(name)
+            return out
+
+    with Trace():
+        step()
+    assert bags and max(bags) <= 4096, bags
+    assert len(created) <= 1, created

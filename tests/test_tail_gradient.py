@@ -4,6 +4,7 @@ and every tail row moving at every step."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from hf_midx import MidxConfig, build_sampler, full_softmax_loss, sampled_softmax_loss
 from hf_midx.head import MidxLMHead
 from hf_midx.rng import CounterRNG
-from hf_midx.tail_gradient import expected_logit, expected_share
+from hf_midx.tail_gradient import bucket_table, expected_logit, expected_share, spread
 
 V, D, T = 1500, 12, 24
 
@@ -229,3 +230,79 @@ def test_the_kernels_split_gives_the_eager_gradient(with_bias):
     assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6)
     for a, b in zip(grads[0][1:], grads[1][1:]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _dense(factors, num_classes):
+    """S as a dense (B + 1, V) float64 matrix, from the four fields the kernels read."""
+    b = 0 if factors.probs is None else factors.probs.shape[1]
+    s = torch.zeros(b + 1, num_classes, dtype=torch.float64)
+    if b:
+        s[factors.bucket, torch.arange(num_classes)] = factors.member.double()
+    if factors.static is not None:
+        s[b] = factors.static.double()
+    return s
+
+
+@pytest.mark.parametrize("num_buckets, with_static", [(7, True), (7, False), (1, True), (0, True)])
+def test_the_chunked_table_and_the_spread_are_s_and_its_transpose(num_buckets, with_static):
+    # Odd shapes, empty buckets, a bucket of more than CHUNK classes (cut into chunks), undrawn classes (the exact
+    # head: a zero column), rows of one column (a bias): the table and the spread against S built densely.
+    from hf_midx.samplers.factors import CHUNK, ProposalFactors, proposal_factors_fixed, static_factors
+
+    v, c = 2 * CHUNK + 301, 5
+    g = torch.Generator().manual_seed(0)
+    static = torch.rand(v, generator=g)
+    static[:37] = 0  # the exact head
+    if num_buckets:
+        bucket = torch.randint(0, num_buckets, (v,), generator=g)
+        bucket[bucket == 3] = 2  # bucket 3 empty
+        bucket[: CHUNK + 200] = 5 % num_buckets  # one bucket larger than a chunk
+        member = torch.rand(v, generator=g)
+        member[:37] = 0
+        fixed = proposal_factors_fixed(bucket, member, static if with_static else None, num_buckets)
+        factors = ProposalFactors(torch.rand(3, num_buckets, generator=g), *fixed)
+        n = num_buckets + v // CHUNK
+        assert factors.layout.chunk_ids.shape == (n,)  # a function of (V, B): the same at every refresh
+        index, offsets, _ = factors.layout.chunks
+        bags = torch.diff(offsets, append=torch.tensor([index.shape[0]]))
+        assert int(bags.max()) <= CHUNK and not set(range(37)) & set(index.tolist())  # the head not read
+    else:
+        factors = static_factors(static)
+    s = _dense(factors, v)
+    for cols in (c, 1):
+        rows = torch.randn(v, cols, dtype=torch.float64, generator=g)
+        torch.testing.assert_close(bucket_table(factors, rows), s @ rows, rtol=1e-12, atol=1e-12)
+        grad_table = torch.randn(s.shape[0], cols, dtype=torch.float64, generator=g)
+        torch.testing.assert_close(spread(factors, grad_table), s.t() @ grad_table, rtol=1e-12, atol=1e-12)
+    rows = torch.randn(v, c, generator=g)
+    assert bucket_table(factors, rows).dtype == torch.float32
+    torch.testing.assert_close(bucket_table(factors, rows).double(), s @ rows.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_tail_products_run_in_the_weight_dtype_against_a_float64_truth(dtype):
+    # The expected part's gradients (hidden, weight, bias) from bf16 inputs: both (T x B x D) products in bf16 (float32
+    # accumulation), within a few bf16 roundings of the float64 truth on the same rounded inputs; fp32 within float32's.
+    weight, bias, counts = _setup(dtype=torch.float32)
+    sampler = build_sampler("midx-rq", weight, class_counts=counts, codebook_size=8, exclude=torch.arange(40))
+    h = torch.randn(T, D)
+    factors = sampler.proposal_factors(h)
+    grad_out = torch.rand(T)
+    products = []
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("mm", "addmm") and args[-1].shape[-1] == D:  # not the bias's
+                products.append(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+
+    got, truth = {}, {}
+    for out, dt in ((got, dtype), (truth, torch.float64)):
+        leaves = [x.to(dtype).to(dt).clone().requires_grad_() for x in (h, weight, bias)]  # the same rounded values
+        with Spy() if dt == dtype else contextlib.nullcontext():
+            expected_share(torch.zeros(T, dtype=torch.float32), grad_out, factors, *leaves).sum().backward()
+        out.update(zip("hwb", (x.grad.double() for x in leaves)))
+    assert len(products) == 2 and set(products) == {dtype}  # probs @ table and probs^T @ (c hidden)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # relative, in norm: bf16 keeps 8 bits
+    for k in "hwb":
+        assert float((got[k] - truth[k]).norm() / truth[k].norm()) < tol, k

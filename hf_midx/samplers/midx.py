@@ -36,7 +36,7 @@ from ..quantizers import QUANTIZERS
 from ..registry import register
 from ..rng import as_counter_rng
 from .base import Sampler, mixture_log_prob
-from .factors import ProposalFactors, proposal_bags
+from .factors import ProposalFactors, proposal_factors_fixed
 from .counts import check_counts, check_unigram_options, unigram_log_table
 
 
@@ -252,7 +252,7 @@ class MidxQuantizedSampler(MidxSampler):
             self._bucket_share = share.masked_fill(self._log_mass == -math.inf, 0.0)  # an empty bucket: 0, not inf
             member = (member > 0).float()
         static = class_probs[:, 1] if len(logs) > 1 else None
-        self._bags = proposal_bags(self._class_bucket, member, static, k * k)
+        self._fixed_factors = proposal_factors_fixed(self._class_bucket, member, static, k * k)
 
     # -- the proposal
     def _scores(self, q: torch.Tensor):
@@ -342,7 +342,8 @@ class MidxQuantizedSampler(MidxSampler):
     def _factors(self, e: torch.Tensor, cum: torch.Tensor) -> ProposalFactors:
         # (T, K*K) P(bucket | z) from the draw's exponentials, in place (they are read once): an empty bucket's is 0.
         probs = e.mul_(cum[:, -1:].reciprocal())
-        return ProposalFactors(probs if self._bucket_share is None else probs.mul_(self._bucket_share), *self._bags)
+        probs = probs if self._bucket_share is None else probs.mul_(self._bucket_share)
+        return ProposalFactors(probs, *self._fixed_factors)
 
 
 @register
