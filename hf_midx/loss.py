@@ -246,20 +246,24 @@ def sampled_softmax_loss(
             log_q_pos = None
         if fused:
             from .kernels import candidate_loss  # lazily: the kernels' module imports Triton when they run
+            from .kernels.candidate import _kernel_factors  # ADAPTER (issue 45): goes at the merge with i45a
 
             # The same draws, estimator and head: the kernels take the sorted head (excluded equals exact_ids'
             # set, checked above) and mask the ignored tokens themselves; the labels were range-checked above.
+            # With the factors the kernels also return the weight's bucket table, whose gradient their own
+            # weight-gradient kernel spreads: the weight's gradient is written once.
             out = candidate_loss(
                 hidden, weight, labels, ids, log_q, log_q_pos, bias=bias,
                 head_ids=excluded.to(device) if num_exact else None, ignore_index=ignore_index,
                 logit_softcap=logit_softcap, corrected_positive=corrected, remove_accidental_hits=drops,
                 exact_value=exact_value, reduction=reduction, backend="fused", tail_control=factors is not None,
+                factors=None if factors is None else _kernel_factors(factors),
             )
             # The kernels gave each draw's share back (out[1]); the expected part is added here.
             if factors is None:
                 return out
             share = out[1] / valid.sum().clamp_min(1) if reduction == "mean" else out[1]  # per token of the mean
-            return expected_share(out[0], share, factors, hidden, weight, bias)
+            return expected_share(out[0], share, factors, hidden, weight, bias, table=out[2])
         rows = torch.cat([y.unsqueeze(1), ids], dim=1)  # (T, 1 + M)
         hits = ids == y.unsqueeze(1)
     else:

@@ -19,6 +19,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_midx
 from hf_midx import MidxConfig, build_sampler, sampled_softmax_loss
@@ -28,6 +29,7 @@ from hf_midx.kernels import candidate, candidate_loss, triton_available
 
 from _models import clone_model, markov_batches, tiny_model
 from test_kernels import _FREE, OpCounter, launched_kernels, make_case, run, run_interpreted
+from test_op_count import _default_head_step
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not triton_available(), reason="the fused kernels need Triton (Linux x86_64 wheels)")
@@ -222,6 +224,53 @@ def test_fused_head_step_is_fewer_ops_and_no_sync(monkeypatch):
     (_, eager_real, eager_launches, eager_syncs), (_, fused_real, fused_launches, fused_syncs) = counts.values()
     assert (eager_launches, fused_launches, eager_syncs, fused_syncs) == (0, 3, 0, 0)
     assert fused_real + fused_launches < eager_real
+
+
+class NewTensorsOfShape(TorchDispatchMode):
+    """The ops that create a new tensor of a given shape (not a view, nor an in-place or out= write), by name."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.ops = tuple(shape), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        schema = func._schema
+        writes = any(a.alias_info is not None for a in schema.arguments) or schema.name.startswith("hf_midx::")
+        if not writes and not func.is_view and any(
+            isinstance(x, torch.Tensor) and tuple(x.shape) == self.shape for x in torch.utils._pytree.tree_leaves(out)
+        ):
+            self.ops.append(schema.name.split("::")[-1])
+        return out
+
+
+@interpreted
+def test_default_fused_step_makes_one_tensor_the_size_of_the_weight():
+    """The default head (the expected tail gradient), fused, bf16: the weight's gradient is written by one kernel,
+    the tail's spread included, so that one op of the step creates a new (V, D) tensor (its buffer); before issue
+    45 a spread of the table's gradient and autograd's add of the two gradients made two more."""
+    head, step = _default_head_step(128, 8192, 64, torch.bfloat16, kernels="fused")
+    with NewTensorsOfShape(head.weight.shape) as new:
+        step()
+    assert head.weight.grad is not None and head.weight.grad.abs().sum() > 0
+    assert new.ops == ["empty_like"], new.ops
+
+
+@interpreted
+def test_default_fused_step_traces_as_one_graph():
+    """The default head's fused step, the proposal's factors passed into the kernels' autograd Function and the
+    table's gradient out of it: one graph, 0 graph breaks, and the fullgraph-compiled step trains the weight."""
+    head, _ = _default_head_step(64, 2048, 32, torch.bfloat16, kernels="fused")
+    hidden = torch.randn(64, 32, dtype=torch.bfloat16).requires_grad_()
+    labels = torch.randint(2048, (64,))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda h, y: head.loss(h, y))(hidden, labels)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda h, y: head.loss(h, y), fullgraph=True, backend="aot_eager")
+    head.weight.grad = None
+    compiled(hidden, labels).backward()
+    assert torch.isfinite(head.weight.grad).all() and head.weight.grad.abs().sum() > 0
 
 
 @interpreted

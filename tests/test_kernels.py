@@ -122,7 +122,7 @@ def fused(case, blocks=None, **kw):
             case.log_q_pos.float() if kw.get("corrected_positive", True) else None, case.head, -100,
             kw.get("logit_scale", 1.0), kw.get("logit_softcap"), kw.get("corrected_positive", True),
             kw.get("remove_accidental_hits", False), kw.get("exact_value", True), kw.get("reduction", "mean"), blocks,
-            kw.get("tail_control", False),
+            kw.get("tail_control", False), kw.get("factors"),
         )
     return candidate_loss(
         case.hidden, case.weight, case.labels, case.ids, case.log_q, case.log_q_pos, bias=case.bias,
@@ -157,12 +157,12 @@ def truth(case, **kw):
 
 
 def reference(case, logit_scale=1.0, logit_softcap=None, corrected_positive=True, remove_accidental_hits=False,
-              exact_value=True, reduction="mean", tail_control=False):
+              exact_value=True, reduction="mean", tail_control=False, factors=None):
     return candidate_loss_reference(
         case.hidden, case.weight, case.labels, case.ids, case.log_q, case.log_q_pos, bias=case.bias,
         head_ids=case.head, ignore_index=-100, logit_scale=logit_scale, logit_softcap=logit_softcap,
         corrected=corrected_positive, drop_hits=remove_accidental_hits, exact_value=exact_value, reduction=reduction,
-        tail_control=tail_control,
+        tail_control=tail_control, factors=factors,
     )
 
 
@@ -267,6 +267,100 @@ def test_tail_control_gives_each_draw_its_share_back(blocks):
     assert got["fused_share"].min() >= 0 and got["fused_share"].max() <= 1 and got["fused_share"].sum() > 0
     assert float(got["fused"][0]) == float(got["plain"][0])  # the value is untouched
     assert rel_err(got["plain"][2], got["fused"][2]) > 1e-3
+
+
+# The proposal's factors as the kernels read them (issue 45's ProposalFactors: probs, bucket, member, static), with
+# today's embedding bags (rows, columns) beside them for hf_midx.tail_gradient.bucket_table.
+TailFactors = collections.namedtuple("TailFactors", "probs rows columns bucket member static")
+
+
+def tail_factors(case, num_buckets, static=True, seed=0):
+    """Random factors of a proposal with ``num_buckets`` buckets (0: a static one, probs None) over the case's
+    classes, the exact head's at weight 0 in every row, some classes never drawn by the bucket terms."""
+    from hf_midx.samplers.factors import proposal_bags, static_factors
+
+    g = torch.Generator().manual_seed(seed)
+    (t, _), v = case.hidden.shape, case.weight.shape[0]
+    bucket = torch.randint(max(num_buckets, 1), (v,), generator=g)
+    member = torch.rand(v, generator=g) * (torch.rand(v, generator=g) > 0.2)
+    weight = torch.rand(v, generator=g) / v if static or not num_buckets else None
+    if case.head is not None:
+        member[case.head] = 0.0
+        if weight is not None:
+            weight[case.head] = 0.0
+    if not num_buckets:  # B = 0: the static row is the only one (G[bucket] is G[B] then)
+        return TailFactors(*static_factors(weight), torch.zeros_like(bucket), weight, None)
+    rows, columns = proposal_bags(bucket, member, weight, num_buckets)
+    probs = torch.softmax(torch.randn(t, num_buckets, generator=g), 1)
+    return TailFactors(probs, rows, columns, bucket, member, weight)
+
+
+def tail_step(case, loss_fn, factors, **kw):
+    """The expected tail gradient's step as the loss takes it: the candidate loss with the draws' share given back
+    and the weight's bucket table, then the expected part through that table (no spread of its own when fused)."""
+    from hf_midx.tail_gradient import expected_share
+
+    if factors.probs is not None and case.weight.dtype == torch.float64:
+        factors = factors._replace(probs=factors.probs.double())
+    loss, share, table = loss_fn(case, tail_control=True, factors=factors, **kw)
+    return expected_share(loss, share, factors, case.hidden, case.weight, case.bias, table=table)
+
+
+@compiled
+@pytest.mark.parametrize("static", [True, False, "B = 0"])
+def test_kernel_factors_read_back_the_class_fields(static):
+    """The adapter from today's ProposalFactors (its embedding bags) to the per-class fields the kernels read
+    (goes with :func:`hf_midx.kernels.candidate._kernel_factors` at the merge with branch i45a)."""
+    from hf_midx.kernels.candidate import _kernel_factors
+    from hf_midx.samplers.factors import ProposalFactors
+
+    case = make_case(16, 300, 8, 3, 10, seed=9)
+    want = tail_factors(case, 0 if static == "B = 0" else 4, static is True)
+    got = _kernel_factors(ProposalFactors(*want[:3]))
+    assert got[:3] == tuple(want[:3])
+    for name in ("bucket", "member", "static"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None and b is None) or (torch.equal(a, b) and a.is_contiguous()), name
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "dtype, shape, buckets, static, blocks",
+    [
+        # Odd V and D, small tiles: classes past V in the last program, partial D tiles, several pair steps.
+        (torch.float32, (64, 1001, 37, 8, 16), 5, True, Blocks(t=16, d=16, h=16, v=64, p=4, vd=16)),
+        (torch.float32, (48, 700, 24, 6, 0), 3, False, None),  # no static row, no exact head, no bias
+        (torch.float32, (40, 513, 20, 5, 8), 0, True, Blocks(t=16, d=16, h=16, v=32, p=2, vd=8)),  # B = 0
+        (torch.bfloat16, (64, 1001, 48, 8, 16), 5, True, None),
+        (torch.bfloat16, (64, 1001, 40, 8, 16), 4, False, Blocks(t=16, d=16, h=16, v=64, p=4, vd=16)),
+    ],
+)
+def test_weight_gradient_writes_the_tail_spread_once(dtype, shape, buckets, static, blocks):
+    """The weight-gradient kernel with the tail's spread (each class starts at member G[bucket] + static G[B]):
+    the whole step's loss and gradients against the float64 truth; most classes without a pair, one class drawn
+    3 T times, classes past V in the last program, D not a power of two."""
+    t, v, d, m, h = shape
+    case = make_case(t, v, d, m, h, dtype=dtype, bias=h > 0, seed=8)
+    heavy = int(torch.isin(torch.arange(v), case.head, invert=True).nonzero()[3]) if h else 3
+    case = case._replace(ids=case.ids.clone())
+    case.ids[:, :3] = heavy
+    factors = tail_factors(case, buckets, static)
+    got = run(tail_step, case, loss_fn=lambda c, **kw: fused(c, blocks=blocks, **kw), factors=factors)
+    wide = Case(*[x.detach().double().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                  and x.requires_grad else x for x in case])
+    want = run(tail_step, wide, loss_fn=reference, factors=factors)
+    pairs = torch.bincount(torch.cat([case.labels.clamp_min(0).view(-1, 1), case.ids], 1).view(-1), minlength=v)
+    assert (pairs == 0).sum() > v // 3 and pairs.max() >= 3 * t  # the shapes the kernel is tested at
+    eager_got = run(tail_step, case, loss_fn=reference, factors=factors)  # the eager path in the same dtype
+    print(f"\n{dtype}, (T, V, D, M, H) = {shape}, B = {buckets}, static: {static}: errors against float64 (loss, "
+          f"grad hidden, grad weight, grad bias), fused {[f'{rel_err(x, r):.1e}' for x, r in zip(got, want)]}, "
+          f"eager {[f'{rel_err(x, r):.1e}' for x, r in zip(eager_got, want)]}")
+    if dtype == torch.float32:
+        check_fp32(got, want, tol=1e-5)
+    else:
+        check_no_worse(got, eager_got, want)
+    other = run(tail_step, wide, loss_fn=reference, factors=tail_factors(case, buckets, static, seed=1))
+    assert rel_err(got[2], other[2]) > 1e-3  # the spread is in the weight's gradient
 
 
 @interpreted
@@ -380,7 +474,8 @@ def test_kernels_compile_for_sm90():
         hidden_ptr="*bf16", weight_ptr="*bf16", bias_ptr="*bf16", labels_ptr="*i64", ids_ptr="*i64", log_q_ptr="*fp32",
         log_q_pos_ptr="*fp32", head_ids_ptr="*i64", head_raw_ptr="*bf16", loss_ptr="*fp32", rows_ptr="*i32",
         g_cand_ptr="*fp32", g_head_ptr="*fp32", gscale_ptr="*fp32", base_ptr="*bf16", out_ptr="*bf16",
-        keys_ptr="*i32", order_ptr="*i64", grad_weight_ptr="*bf16", grad_bias_ptr="*bf16", stats_ptr="*fp32",
+        starts_ptr="*i32", order_ptr="*i64", grad_weight_ptr="*bf16", grad_bias_ptr="*bf16", stats_ptr="*fp32",
+        grad_table_ptr="*fp32", bucket_ptr="*i64", member_ptr="*fp32", static_ptr="*fp32",
         scale="fp32", softcap="fp32", state_ptr="*i64", share_ptr="*fp32",
     )
     b = Blocks.choose(8192, 640, 21, interpreted=False)  # what a GPU runs at the Gemma-3-270M shape, M = 20
@@ -388,7 +483,8 @@ def test_kernels_compile_for_sm90():
         (k.candidate_forward_kernel, dict(HAS_BIAS=True, SOFTCAP=True, CORRECTED=True, DROP_HITS=True, EXACT_VALUE=True,
                                           TAIL_CONTROL=True, SEARCH_STEPS=12, BLOCK_T=b.t, BLOCK_R=32, BLOCK_D=b.d, BLOCK_H=b.h)),
         (k.candidate_grad_hidden_kernel, dict(HAS_BASE=True, BLOCK_T=b.t, BLOCK_R=32, BLOCK_D=b.d)),
-        (k.candidate_grad_weight_kernel, dict(HAS_BIAS=True, BLOCK_V=b.v, BLOCK_P=b.p, BLOCK_D=b.d)),
+        (k.candidate_grad_weight_kernel, dict(HAS_BIAS=True, HAS_TABLE=True, HAS_STATIC=True, BLOCK_V=b.v, BLOCK_P=b.p,
+                                              BLOCK_D=b.vd)),
         (c.counter_rand_kernel, dict(F64=False, BLOCK=1024)),
         (c.counter_rand_kernel, dict(F64=True, BLOCK=1024)),
     ]

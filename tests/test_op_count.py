@@ -23,14 +23,14 @@ MAX_OPS = 120
 MAX_OPS_EXPECTED_TAIL = 140
 
 
-def _default_head_step(num_tokens: int, num_classes: int = 3000, dim: int = 48, **changes):
+def _default_head_step(num_tokens: int, num_classes: int = 3000, dim: int = 48, dtype=torch.float32, **changes):
     """A steady-state step function of the default head (every ``MidxConfig`` default but ``changes``, class
-    counts given)."""
+    counts given), its weight and hidden states of ``dtype``."""
     g = torch.Generator().manual_seed(0)
     counts = torch.randint(1, 1000, (num_classes,), generator=g).double()
-    linear = torch.nn.Linear(dim, num_classes, bias=False)
+    linear = torch.nn.Linear(dim, num_classes, bias=False).to(dtype)
     head = hf_midx.MidxLMHead(linear, hf_midx.MidxConfig(**changes), class_counts=counts)
-    hidden = torch.randn(num_tokens, dim, generator=g).requires_grad_()
+    hidden = torch.randn(num_tokens, dim, generator=g, dtype=dtype).requires_grad_()
     labels = torch.multinomial(counts.float(), num_tokens, replacement=True, generator=g)
     labels[::9] = -100
 

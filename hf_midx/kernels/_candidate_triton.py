@@ -3,9 +3,10 @@
 Plain ``@triton.jit`` functions over pointers, imported only when the fused path runs (Triton decides
 at decoration time whether it interprets, so this module is imported after ``TRITON_INTERPRET`` is
 set). Shapes: T tokens, D dims, V classes, M negatives per token, R = 1 + M candidate rows (the
-label first), H exact-head classes. Every kernel accumulates in float32 and multiplies elementwise
-(gathered rows are not tiles a ``tl.dot`` could use), except the weight gradient, whose segmented sum
-is a one-hot ``tl.dot``.
+label first), H exact-head classes, B + 1 rows of the tail's bucket table. Every kernel accumulates in
+float32 and multiplies elementwise: gathered rows are not tiles a ``tl.dot`` could use, and the weight
+gradient's segmented sum walks each class's sorted pairs (a one-hot ``tl.dot`` would spend a
+BLOCK_V-wide product on each pair).
 """
 
 from __future__ import annotations
@@ -241,63 +242,72 @@ def candidate_grad_hidden_kernel(
 
 @triton.jit
 def candidate_grad_weight_kernel(
-    hidden_ptr, keys_ptr, order_ptr, g_cand_ptr, gscale_ptr, grad_weight_ptr, grad_bias_ptr,
-    V, D, R, num_pairs, search_steps,
-    stride_hidden, stride_gscale, stride_grad_weight,
-    HAS_BIAS: tl.constexpr,
+    hidden_ptr, order_ptr, starts_ptr, g_cand_ptr, gscale_ptr, grad_table_ptr, bucket_ptr, member_ptr, static_ptr,
+    grad_weight_ptr, grad_bias_ptr,
+    V, D, R, B,
+    stride_hidden, stride_gscale, stride_grad_table, stride_grad_weight,
+    HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_STATIC: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """grad_weight[v] = sum over the (t, r) pairs of class v of gscale[t] g_cand[t, r] hidden[t].
+    """grad_weight[v] = member[v] G[bucket[v]] + static[v] G[B] + sum over the (t, r) pairs of class v of
+    gscale[t] g_cand[t, r] hidden[t]; one program per BLOCK_V classes, over all of D.
 
-    The T R pairs come sorted by class (``keys`` the sorted class ids, ``order`` their flat t * R + r).
-    A program owns BLOCK_V classes and one D block: it finds its contiguous run of pairs by binary
-    search (``search_steps`` = bit length of ``num_pairs``), walks it BLOCK_P pairs at a time, and adds
-    them to its classes with a one-hot matmul: every row of grad_weight (zeros included) is written
-    exactly once, no atomics.
-    The program of the first D block also writes grad_bias for its classes.
+    The T R pairs come sorted by class: ``order`` (T R,) their flat t * R + r, ``starts`` (V + 1,) int32 where
+    each class's run begins (found once, outside). The pairs' offsets are int32 (T R and T D below 2^31, checked
+    at the launch): at the sm_90 tile that took the kernel from 255 registers and a spill to ~120 (cuobjdump). With HAS_TABLE the tail's spread starts each row: G the
+    (B + 1, D) float32 gradient of the weight's bucket table, ``bucket`` (V,) int64, ``member`` and ``static``
+    (V,) float32 (static only with HAS_STATIC). For each D tile the program walks its classes' runs side by
+    side, BLOCK_P pairs of each class a step (as many steps as its longest run), and adds g * hidden row into
+    a float32 accumulator: every row of grad_weight (zeros included) is written exactly once, no atomics, no
+    search. grad_bias (the candidates' part only: the table's stays outside) from one more walk of g.
     """
-    pid_v = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    # The first pair of class v0 and of class v0 + BLOCK_V: a lower-bound search of the sorted keys.
-    two = tl.arange(0, 2)
-    target = pid_v * BLOCK_V + two * BLOCK_V
-    lo = tl.zeros((2,), dtype=tl.int64)
-    hi = tl.zeros((2,), dtype=tl.int64) + num_pairs
-    for _step in range(search_steps):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        key = tl.load(keys_ptr + mid, mask=active, other=0)
-        lo = tl.where(active & (key < target), mid + 1, lo)
-        hi = tl.where(active & (key >= target), mid, hi)
-    p_start = tl.sum(tl.where(two == 0, lo, 0), axis=0)
-    p_end = tl.sum(tl.where(two == 1, lo, 0), axis=0)
-    acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    for p0 in range(p_start, p_end, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)
-        p_ok = p < p_end
-        cls = tl.load(keys_ptr + p, mask=p_ok, other=-1).to(tl.int64)
-        src = tl.load(order_ptr + p, mask=p_ok, other=0).to(tl.int64)
-        tok = src // R
-        g = tl.load(g_cand_ptr + src, mask=p_ok, other=0.0)
-        g *= tl.load(gscale_ptr + tok * stride_gscale, mask=p_ok, other=0.0).to(tl.float32)
-        h = tl.load(
-            hidden_ptr + tok[:, None] * stride_hidden + d[None, :], mask=p_ok[:, None] & d_ok[None, :], other=0.0
-        ).to(tl.float32)
-        onehot = tl.where(v[:, None] == cls[None, :], 1.0, 0.0)  # (BLOCK_V, BLOCK_P)
-        acc += tl.dot(onehot, g[:, None] * h, input_precision="ieee")
-        if HAS_BIAS:
-            acc_b += tl.sum(onehot * g[None, :], axis=1)
+    v = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = v < V
     v64 = v.to(tl.int64)
-    tl.store(
-        grad_weight_ptr + v64[:, None] * stride_grad_weight + d[None, :],
-        acc.to(grad_weight_ptr.dtype.element_ty),
-        mask=v_ok[:, None] & d_ok[None, :],
-    )
+    start = tl.load(starts_ptr + v, mask=v_ok, other=0)
+    count = tl.load(starts_ptr + v + 1, mask=v_ok, other=0) - start  # 0 past V
+    steps = tl.max(count, axis=0)
+    j = tl.arange(0, BLOCK_P)
+    if HAS_TABLE:
+        row = tl.load(bucket_ptr + v64, mask=v_ok, other=0)
+        member = tl.load(member_ptr + v64, mask=v_ok, other=0.0)
+        if HAS_STATIC:
+            static = tl.load(static_ptr + v64, mask=v_ok, other=0.0)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        out_ok = v_ok[:, None] & d_ok[None, :]
+        if HAS_TABLE:
+            acc = member[:, None] * tl.load(
+                grad_table_ptr + row[:, None] * stride_grad_table + d[None, :], mask=out_ok, other=0.0
+            )
+            if HAS_STATIC:
+                acc += static[:, None] * tl.load(grad_table_ptr + B * stride_grad_table + d, mask=d_ok, other=0.0)[None, :]
+        else:
+            acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
+        for k0 in range(0, steps, BLOCK_P):
+            ok = (k0 + j)[None, :] < count[:, None]  # (BLOCK_V, BLOCK_P)
+            src = tl.load(order_ptr + start[:, None] + k0 + j[None, :], mask=ok, other=0).to(tl.int32)
+            tok = src // R
+            g = tl.load(g_cand_ptr + src, mask=ok, other=0.0)
+            g *= tl.load(gscale_ptr + tok * stride_gscale, mask=ok, other=0.0).to(tl.float32)
+            h = tl.load(
+                hidden_ptr + tok[:, :, None] * stride_hidden + d[None, None, :],
+                mask=ok[:, :, None] & d_ok[None, None, :],
+                other=0.0,
+            ).to(tl.float32)
+            acc += tl.sum(g[:, :, None] * h, axis=1)
+        tl.store(
+            grad_weight_ptr + v64[:, None] * stride_grad_weight + d[None, :],
+            acc.to(grad_weight_ptr.dtype.element_ty),
+            mask=out_ok,
+        )
     if HAS_BIAS:
-        if pid_d == 0:
-            tl.store(grad_bias_ptr + v64, acc_b.to(grad_bias_ptr.dtype.element_ty), mask=v_ok)
+        acc_b = tl.zeros((BLOCK_V,), dtype=tl.float32)
+        for k0 in range(0, steps, BLOCK_P):
+            ok = (k0 + j)[None, :] < count[:, None]
+            src = tl.load(order_ptr + start[:, None] + k0 + j[None, :], mask=ok, other=0).to(tl.int32)
+            g = tl.load(g_cand_ptr + src, mask=ok, other=0.0)
+            g *= tl.load(gscale_ptr + (src // R) * stride_gscale, mask=ok, other=0.0).to(tl.float32)
+            acc_b += tl.sum(g, axis=1)
+        tl.store(grad_bias_ptr + v64, acc_b.to(grad_bias_ptr.dtype.element_ty), mask=v_ok)

@@ -24,21 +24,29 @@ backward only scales it by the upstream gradient and gathers (Liger and Cut Cros
 
 The fused path is three Triton kernels and a few library calls:
   forward    the exact head's logits, one GEMM (hidden @ weight[H].T); then one kernel per block of
-             tokens: logits, logsumexp, loss, gradient w.r.t. every candidate and head logit;
+             tokens: logits, logsumexp, loss, gradient w.r.t. every candidate and head logit; with the
+             proposal's factors (the expected tail gradient), the weight's (B + 1, D) bucket table too
+             (:func:`hf_midx.tail_gradient.bucket_table`), an output whose gradient comes back here;
   backward   grad_hidden: one GEMM for the head, one kernel for the candidates (each row written once);
-             grad_weight: the T R (t, r) pairs sorted by class (``torch.sort``), one kernel writing every
-             row of the (V, D) gradient once (zeros included) by a segmented one-hot matmul, no atomics;
-             the head's rows added by one GEMM and ``index_add_`` (distinct ids).
+             grad_weight: the T R (t, r) pairs sorted by class (``torch.sort``) and each class's first
+             pair found once (``torch.searchsorted`` of the V + 1 class ids), then one kernel, one program
+             per block of classes over all of D: each row starts at the tail's spread of the table's
+             gradient (member[v] G[bucket[v]] + static[v] G[B]), adds its class's pairs (g times the
+             hidden row, float32) and is written once (zeros included), no atomics: the weight's whole
+             gradient is one new (V, D) tensor; the head's rows then add one GEMM by ``index_add_``
+             (distinct ids, in place).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 
 # Importing launch registers the kernels' launches as torch.ops.hf_midx custom ops.
+from ..tail_gradient import bucket_rows, bucket_table
 from .launch import _cdiv, _pow2, triton_available, triton_interpreting
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -47,8 +55,9 @@ BACKENDS = ("auto", "fused", "eager")
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-    """Tile sizes of the fused kernels (powers of two; tokens ``t``, dims ``d``, head columns ``h``,
-    classes ``v`` and sorted pairs ``p`` per program of the weight gradient) and warps per program."""
+    """Tile sizes of the fused kernels (powers of two; tokens ``t``, dims ``d``, head columns ``h``; for the
+    weight gradient, classes ``v`` per program, pairs ``p`` of each class per step and dims ``vd`` per tile)
+    and warps per program."""
 
     t: int
     d: int
@@ -56,31 +65,44 @@ class Blocks:
     v: int
     p: int
     warps: int = 8
+    vd: int = 32
 
     @classmethod
     def choose(cls, num_tokens: int, dim: int, rows: int, interpreted: bool) -> "Blocks":
         """On a GPU a (t, R, d) gather tile of about 8 K floats over 8 warps: compiled for sm_90 (not yet
         timed), the forward then needs ~210 registers a thread and spills none, where 4 warps spilled.
         The interpreter runs one program at a time in Python, so there the tiles are as large as the
-        problem allows, to keep the programs few."""
+        problem allows, to keep the programs few.
+
+        The weight gradient's (v, p, vd) = (8, 4, 128) gather tile over 8 warps is a guess, not timed: 128
+        dims (256 B of a bf16 row) per gathered row, as Cut Cross-Entropy's indexed dot gathers rows 128 to
+        256 wide (its ``_indexed_dot_best_config``; its weight gradient, a dense (128 x 128) ``tl.dot`` tile
+        per 32 dims with locked adds, has no sorted pairs to walk); 8 classes a program so that typical
+        classes (about T R / V ~ 1 pair each) share a tile, 4 pairs a class a step so that a class drawn
+        hundreds of times (frequent labels, popular buckets) takes a quarter of the steps. Compiled for
+        sm_90 it needs ~120 registers a thread and spills none (cuobjdump), two programs an SM; (16, 4, 128)
+        needed ~180 (one program an SM) and an int64 walk 255 with spills. 128 divides D at the four LLM
+        shapes (640 to 4,096)."""
         budget = 1 << (19 if interpreted else 13)
         d = min(_pow2(dim), 128 if interpreted else 32)
         t = max(1, min(_pow2(num_tokens), budget // (_pow2(rows) * d)))
         t = 1 << (t.bit_length() - 1)  # a power of two below the budget
         if interpreted:  # within the interpreter's 2^20 elements a tile
-            return cls(t=t, d=d, h=max(16, min(1024, (1 << 20) // t)), v=2048, p=512)
-        return cls(t=t, d=d, h=128, v=64, p=64)
+            return cls(t=t, d=d, h=max(16, min(1024, (1 << 20) // t)), v=1024, p=8, vd=min(_pow2(dim), 128))
+        return cls(t=t, d=d, h=128, v=8, p=4, vd=128)
 
 
 # ====================================================================== fused
 class FusedCandidateLoss(torch.autograd.Function):
     """The candidate loss as Triton kernels; see the module docstring. Inputs as :func:`candidate_loss`,
-    already validated, ``hidden`` in ``weight``'s dtype; returns the reduced loss (float32)."""
+    already validated, ``hidden`` in ``weight``'s dtype; returns the reduced loss (float32), with
+    ``tail_control`` (loss, share), and with ``factors`` too (loss, share, the weight's bucket table)."""
 
     @staticmethod
     def forward(
         ctx, hidden, weight, bias, labels, ids, log_q, log_q_pos, head_ids,
         ignore_index, logit_scale, logit_softcap, corrected, drop_hits, exact_value, reduction, blocks, tail_control,
+        factors=None,
     ):
         num_tokens, dim = hidden.shape
         m = ids.shape[1]
@@ -126,18 +148,22 @@ class FusedCandidateLoss(torch.autograd.Function):
                 # An all-ignored batch gives 0 with a zero gradient, not 0 / 0; the count stays on the device.
                 count = total[1].clamp_min(1)
                 out = out / count
-        ctx.save_for_backward(hidden, weight, w_head, head_ids, rows, g_cand, g_head, count)
+        spread = (None, None, None) if factors is None else (factors.bucket, factors.member, factors.static)
+        ctx.save_for_backward(hidden, weight, w_head, head_ids, rows, g_cand, g_head, count, *spread)
         ctx.num_head, ctx.blocks = num_head, blocks
         ctx.bias_dtype = bias.dtype if bias is not None else None
         if not tail_control:
             return out
         ctx.mark_non_differentiable(share)
-        return out, share
+        if factors is None:
+            return out, share
+        # The table's gradient is spread back over the classes inside the weight-gradient kernel (the backward).
+        return out, share, bucket_table(factors, weight)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, _grad_share=None):
-        hidden, weight, w_head, head_ids, rows, g_cand, g_head, count = ctx.saved_tensors
+    def backward(ctx, grad_out, _grad_share=None, grad_table=None):
+        hidden, weight, w_head, head_ids, rows, g_cand, g_head, count, bucket, member, static = ctx.saved_tensors
         blocks = ctx.blocks
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         num_classes = weight.shape[0]
@@ -156,10 +182,16 @@ class FusedCandidateLoss(torch.autograd.Function):
             )
         if need_w or need_b:
             keys, order = rows.view(-1).sort(stable=True)  # the (t, r) pairs by class
+            # Where each class's run of pairs begins, for all V + 1 boundaries at once (no search per program).
+            classes = torch.arange(num_classes + 1, device=keys.device, dtype=keys.dtype)
+            starts = torch.searchsorted(keys, classes, out_int32=True)
             grad_weight = torch.empty_like(weight)
             grad_bias = torch.empty(num_classes, device=weight.device, dtype=ctx.bias_dtype) if need_b else None
+            if bucket is None or grad_table is None or not need_w:
+                grad_table = bucket = member = static = None
             torch.ops.hf_midx.candidate_grad_weight(
-                hidden, keys, order, g_cand, gscale, grad_weight, grad_bias, [blocks.v, blocks.p, blocks.d, blocks.warps]
+                hidden, order, starts, g_cand, gscale, grad_table, bucket, member, static, grad_weight, grad_bias,
+                [blocks.v, blocks.p, blocks.vd, blocks.warps],
             )
             if ctx.num_head:
                 # Head ids are distinct: index_add_ adds each row once, deterministically.
@@ -168,17 +200,44 @@ class FusedCandidateLoss(torch.autograd.Function):
                     grad_bias.index_add_(0, head_ids, g_head_scaled.sum(0).to(grad_bias.dtype))
             if not need_w:
                 grad_weight = None
-        return (grad_hidden, grad_weight, grad_bias) + (None,) * 14
+        return (grad_hidden, grad_weight, grad_bias) + (None,) * 15
+
+
+# ====================================================================== ADAPTER: delete at the merge with i45a
+class _KernelFactors(NamedTuple):
+    """Today's :class:`~hf_midx.samplers.factors.ProposalFactors` with the per-class fields the fused kernels read
+    (issue 45's ProposalFactors keeps them itself: then this class and :func:`_kernel_factors` go)."""
+
+    probs: torch.Tensor | None
+    rows: tuple
+    columns: tuple
+    bucket: torch.Tensor
+    member: torch.Tensor
+    static: torch.Tensor | None
+
+
+def _kernel_factors(factors) -> _KernelFactors:
+    """bucket (V,) int64, member (V,) float32 and static (V,) float32 or None read back from ``factors.columns``
+    (index, offsets, weights): per class [bucket, B] and [member, static] interleaved, or bucket and member alone
+    without a static row (``proposal_bags``). TEMPORARY (issue 45): delete with :class:`_KernelFactors` at the
+    merge with branch i45a, whose ProposalFactors has these fields; its one caller (the fused branch of
+    :func:`hf_midx.sampled_softmax_loss`) then passes ``factors`` as they are."""
+    index, offsets, weights = factors.columns
+    if index.shape[0] == offsets.shape[0]:
+        return _KernelFactors(*factors, index.contiguous(), weights.float().contiguous(), None)
+    return _KernelFactors(*factors, index[0::2].contiguous(), weights[0::2].float().contiguous(),
+                          weights[1::2].float().contiguous())
 
 
 # ====================================================================== eager reference
 def candidate_loss_reference(
     hidden, weight, labels, ids, log_q, log_q_pos, *, bias, head_ids, ignore_index, logit_scale, logit_softcap,
-    corrected, drop_hits, exact_value, reduction, tail_control=False,
+    corrected, drop_hits, exact_value, reduction, tail_control=False, factors=None,
 ):
     """The same loss in plain differentiable PyTorch (autograd does the backward): the reference of the
     fused kernels and their CPU fallback. Logits in float32 (float64 for float64 inputs), as the
-    kernels accumulate them; it gathers a (T, R, D) tensor, so it suits moderate T only."""
+    kernels accumulate them; it gathers a (T, R, D) tensor, so it suits moderate T only. With ``factors``
+    the weight's bucket table is :func:`hf_midx.tail_gradient.bucket_rows` (its gradient a spread of its own)."""
     acc = torch.promote_types(weight.dtype, torch.float32)
     valid = labels != ignore_index
     y = torch.where(valid, labels, torch.zeros_like(labels)).long()
@@ -228,7 +287,9 @@ def candidate_loss_reference(
     else:
         total = per_token.sum()
         out = total if reduction == "sum" else total / valid.sum().clamp_min(1)
-    return out if share is None else (out, share.float())
+    if share is None:
+        return out
+    return (out, share.float()) if factors is None else (out, share.float(), bucket_rows(factors, weight))
 
 
 def _finish(x, scale, cap):
@@ -256,7 +317,8 @@ def candidate_loss(
     reduction: str = "mean",
     backend: str = "auto",
     tail_control: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    factors=None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Per-query sampled-softmax loss of drawn negatives, with the exact head (see the module docstring).
 
     No host sync and no (T, V) tensor. The defaults are the default training head's estimator
@@ -290,13 +352,20 @@ def candidate_loss(
             draw's gradient less share_t / M, where share_t is the draws' share of token t's softmax; the
             caller adds the expected part, the gradient of share_t * E_Q[o_t] (value 0). Needs no soft-cap and
             ``remove_accidental_hits=False``.
+        factors: with ``tail_control``, the proposal's factors (``probs``, and per class ``bucket`` (V,) int64,
+            ``member`` (V,) float32, ``static`` (V,) float32 or None, as
+            :class:`~hf_midx.samplers.factors.ProposalFactors` keeps them): the weight's (B + 1, D) bucket table is
+            returned too, for :func:`hf_midx.tail_gradient.expected_share`'s ``table=``; its gradient is spread
+            over the classes in the fused weight-gradient kernel, so that the weight's gradient is written once.
     Returns:
         float32 scalar, or (T,) for "none"; with ``tail_control``, (that, share (T,) float32, 0 at ignored
-        tokens, no gradient).
+        tokens, no gradient); with ``factors`` too, (that, share, table (B + 1, D) float32, differentiable).
     """
     _validate(hidden, weight, labels, ids, log_q, log_q_pos, bias, head_ids, corrected_positive, reduction, backend)
     if tail_control and (logit_softcap is not None or remove_accidental_hits):
         raise ValueError("tail_control needs logit_softcap=None and remove_accidental_hits=False.")
+    if factors is not None and not tail_control:
+        raise ValueError("factors are the expected tail gradient's: pass them with tail_control=True (or drop them).")
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)  # one dtype for the products, as sampled_softmax_loss does
     if backend == "auto":
@@ -310,12 +379,13 @@ def candidate_loss(
             None if not corrected_positive else log_q_pos.float().contiguous(),
             head_ids, int(ignore_index), float(logit_scale), logit_softcap,
             bool(corrected_positive), bool(remove_accidental_hits), bool(exact_value), reduction, None,
-            bool(tail_control),
+            bool(tail_control), factors,
         )
     return candidate_loss_reference(
         hidden, weight, labels, ids, log_q, log_q_pos, bias=bias, head_ids=head_ids, ignore_index=ignore_index,
         logit_scale=logit_scale, logit_softcap=logit_softcap, corrected=corrected_positive,
         drop_hits=remove_accidental_hits, exact_value=exact_value, reduction=reduction, tail_control=tail_control,
+        factors=factors,
     )
 
 

@@ -131,18 +131,31 @@ def _(*args, **kwargs) -> None:
 
 @torch.library.custom_op(f"{_LIB}::candidate_grad_weight", mutates_args=("grad_weight", "grad_bias"))
 def candidate_grad_weight(
-    hidden: Tensor, keys: Tensor, order: Tensor, g_cand: Tensor, gscale: Tensor, grad_weight: Tensor,
+    hidden: Tensor, order: Tensor, starts: Tensor, g_cand: Tensor, gscale: Tensor, grad_table: Tensor | None,
+    bucket: Tensor | None, member: Tensor | None, static: Tensor | None, grad_weight: Tensor,
     grad_bias: Tensor | None, ints: list[int],
 ) -> None:
-    """Every row of grad_weight (and grad_bias) from the (t, r) pairs sorted by class; ints = [BLOCK_V, BLOCK_P,
-    BLOCK_D, warps]."""
+    """Every row of grad_weight (and grad_bias) from the (t, r) pairs sorted by class (``order``, each class's run
+    from ``starts`` (V + 1,)), each row started at the tail's spread of ``grad_table`` (B + 1, D) float32 when given
+    (``bucket``, ``member``, ``static`` (V,); static may be None); ints = [BLOCK_V, BLOCK_P, BLOCK_D, warps]."""
     block_v, block_p, block_d, warps = ints
     num_classes, dim = grad_weight.shape
-    _kernels().candidate_grad_weight_kernel[(_cdiv(num_classes, block_v), _cdiv(dim, block_d))](
-        hidden, keys, order, g_cand, gscale, grad_weight, grad_bias if grad_bias is not None else grad_weight,
-        num_classes, dim, g_cand.shape[1], keys.numel(), keys.numel().bit_length(),
-        hidden.stride(0), gscale.stride(0) if gscale.dim() else 0, grad_weight.stride(0),
-        HAS_BIAS=grad_bias is not None, BLOCK_V=block_v, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=warps,
+    if max(g_cand.numel(), hidden.shape[0] * hidden.stride(0)) >= 1 << 31:
+        raise ValueError(
+            f"The fused weight gradient indexes the (t, r) pairs and the hidden states in int32: T = {hidden.shape[0]} "
+            f"tokens of D = {dim} or R = {g_cand.shape[1]} is too many; split the tokens into chunks."
+        )
+    has_table = grad_table is not None
+    _kernels().candidate_grad_weight_kernel[(_cdiv(num_classes, block_v),)](
+        hidden, order, starts, g_cand, gscale,
+        grad_table if has_table else g_cand, bucket if has_table else starts, member if has_table else g_cand,
+        static if static is not None and has_table else g_cand,
+        grad_weight, grad_bias if grad_bias is not None else grad_weight,
+        num_classes, dim, g_cand.shape[1], grad_table.shape[0] - 1 if has_table else 0,
+        hidden.stride(0), gscale.stride(0) if gscale.dim() else 0, grad_table.stride(0) if has_table else 0,
+        grad_weight.stride(0),
+        HAS_BIAS=grad_bias is not None, HAS_TABLE=has_table, HAS_STATIC=has_table and static is not None,
+        BLOCK_V=block_v, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=warps,
     )
 
 
