@@ -363,6 +363,36 @@ def test_weight_gradient_writes_the_tail_spread_once(dtype, shape, buckets, stat
     assert rel_err(got[2], other[2]) > 1e-3  # the spread is in the weight's gradient
 
 
+class OpArgs(TorchDispatchMode):
+    """The arguments of each call of one op, by its name."""
+
+    def __init__(self, name):
+        super().__init__()
+        self.name, self.calls = name, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name == self.name:
+            self.calls.append([a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+        return func(*args, **(kwargs or {}))
+
+
+@interpreted
+def test_weight_gradient_walks_only_pairs_with_a_gradient():
+    """Labels in the exact head (the most frequent classes: the longest runs) give their gradient through the head's
+    GEMMs, and ignored tokens have none: the weight-gradient kernel's runs leave both out, so every head class has an
+    empty run (they are never drawn) and the walked pairs are the valid tokens' draws and labels outside the head."""
+    case = make_case(96, 900, 16, 6, 24, seed=10, in_head=0.4)
+    with OpArgs("hf_midx::candidate_grad_weight") as seen:
+        run(fused, case)
+    starts = seen.calls[0][2].long()
+    runs = starts[1:] - starts[:-1]
+    in_head = torch.isin(case.labels, case.head)
+    valid = case.labels != -100
+    assert int(in_head.sum()) > 20 and int((~valid).sum()) > 0
+    assert int(runs[case.head].sum()) == 0
+    assert int(starts[-1]) == int(valid.sum()) * 6 + int((valid & ~in_head).sum())  # the draws, labels outside H
+
+
 @interpreted
 def test_small_tiles_cover_every_mask():
     """Tiles smaller than every dimension: several programs, partial D / head / class / pair blocks."""

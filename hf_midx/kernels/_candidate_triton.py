@@ -72,7 +72,7 @@ def candidate_forward_kernel(
     hidden_ptr, weight_ptr, bias_ptr, labels_ptr, ids_ptr, log_q_ptr, log_q_pos_ptr,
     head_ids_ptr, head_raw_ptr,
     loss_ptr, stats_ptr, rows_ptr, g_cand_ptr, g_head_ptr, share_ptr,
-    T, D, M, H,
+    T, D, M, H, V,
     stride_hidden, stride_weight, stride_head_raw,
     ignore_index, scale, softcap,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, CORRECTED: tl.constexpr, DROP_HITS: tl.constexpr,
@@ -84,9 +84,10 @@ def candidate_forward_kernel(
     d loss_t / d x for every candidate and head logit (x before scale and cap).
 
     Writes loss (T,) f32 (0 at ignored tokens), stats (programs, 2) f32 (this block's loss sum and
-    number of valid tokens, for the reduction), rows (T, R) int32 (the label, then the negatives),
+    number of valid tokens, for the reduction), rows (T, R) int32 (the label, then the negatives; V for a
+    pair of zero gradient),
     g_cand (T, R) f32 and g_head (T, H) f32 (may alias head_raw when that is float32: each element
-    is read before this program writes it). With TAIL_CONTROL, share (T,) f32: the draws' share of the softmax
+    is read before this program writes it); a label in the head has its gradient in g_head, 0 in g_cand. With TAIL_CONTROL, share (T,) f32: the draws' share of the softmax
     (0 at ignored tokens), and each draw's gradient less share / M (the expected tail gradient's sampled part).
     """
     pid = tl.program_id(0)
@@ -105,7 +106,6 @@ def candidate_forward_kernel(
     neg_off = t64[:, None] * M + (r[None, :] - 1)
     neg_id = tl.load(ids_ptr + neg_off, mask=is_neg, other=0).to(tl.int64)
     row = tl.where(is_pos, y[:, None], neg_id)  # (BLOCK_T, BLOCK_R)
-    tl.store(rows_ptr + t64[:, None] * R + r[None, :], row.to(tl.int32), mask=cand_ok)
 
     # x[t, r] = hidden[t] . weight[row[t, r]] in float32, over D in blocks.
     x = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
@@ -194,21 +194,26 @@ def candidate_forward_kernel(
         share = tl.sum(tl.where(is_neg & keep, g, 0.0), axis=1)
         g = g - tl.where(is_neg, share[:, None] / M, 0.0)
         tl.store(share_ptr + t, share, mask=t_ok)
-    g = tl.where(keep & cand_ok, g * do_dx, 0.0)
+    # A label in the head gives its -1 to the head's column (below): the head's GEMMs carry it, and the weight
+    # gradient's walk skips the pair (a frequent label's class would otherwise be one program's long run).
+    g = tl.where(keep & cand_ok & ~(is_pos & in_head[:, None]), g * do_dx, 0.0)
+    # A pair of zero gradient is stored as class V: the backward's walks skip it.
+    tl.store(rows_ptr + t64[:, None] * R + r[None, :], tl.where(g != 0.0, row, V).to(tl.int32), mask=cand_ok)
     tl.store(g_cand_ptr + t64[:, None] * R + r[None, :], g, mask=cand_ok)
     for c0 in range(0, H, BLOCK_H):
         c, ok, oh, doh = _head_tile(
             head_raw_ptr, head_ids_ptr, bias_ptr, t64, t_ok, c0, H, stride_head_raw, scale, softcap,
             HAS_BIAS, SOFTCAP, BLOCK_H,
         )
-        gh = tl.where(keep & ok, tl.exp(oh - lse[:, None]) * doh, 0.0)
+        at_label = tl.where((c[None, :] == lo[:, None]) & in_head[:, None], 1.0, 0.0)
+        gh = tl.where(keep & ok, (tl.exp(oh - lse[:, None]) - at_label) * doh, 0.0)
         tl.store(g_head_ptr + t64[:, None] * H + c[None, :], gh, mask=ok)
 
 
 @triton.jit
 def candidate_grad_hidden_kernel(
     weight_ptr, rows_ptr, g_cand_ptr, gscale_ptr, base_ptr, out_ptr,
-    T, D, R,
+    T, D, R, V,
     stride_weight, stride_gscale, stride_base, stride_out,
     HAS_BASE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -226,6 +231,7 @@ def candidate_grad_hidden_kernel(
     t64 = t.to(tl.int64)
     ok = t_ok[:, None] & (r < R)[None, :]
     row = tl.load(rows_ptr + t64[:, None] * R + r[None, :], mask=ok, other=0).to(tl.int64)
+    ok = ok & (row < V)  # class V: a pair of zero gradient
     g = tl.load(g_cand_ptr + t64[:, None] * R + r[None, :], mask=ok, other=0.0)
     w = tl.load(
         weight_ptr + row[:, :, None] * stride_weight + d[None, None, :],

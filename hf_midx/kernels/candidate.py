@@ -28,13 +28,15 @@ The fused path is three Triton kernels and a few library calls:
              proposal's factors (the expected tail gradient), the weight's (B + 1, D) bucket table too
              (:func:`hf_midx.tail_gradient.bucket_table`), an output whose gradient comes back here;
   backward   grad_hidden: one GEMM for the head, one kernel for the candidates (each row written once);
-             grad_weight: the T R (t, r) pairs sorted by class (``torch.sort``) and each class's first
-             pair found once (``torch.searchsorted`` of the V + 1 class ids), then one kernel, one program
-             per block of classes over all of D: each row starts at the tail's spread of the table's
-             gradient (member[v] G[bucket[v]] + static[v] G[B]), adds its class's pairs (g times the
-             hidden row, float32) and is written once (zeros included), no atomics: the weight's whole
-             gradient is one new (V, D) tensor; the head's rows then add one GEMM by ``index_add_``
-             (distinct ids, in place).
+             grad_weight: the T R (t, r) pairs sorted by class (``torch.sort``; the forward stores a pair
+             of zero gradient as class V, past every run: ignored tokens, and labels in the head, whose
+             gradient it moves to the head's column, so that the most frequent classes, the head's, have
+             no run to walk) and each class's first pair found once (``torch.searchsorted`` of the V + 1
+             class ids), then one kernel, one program per block of classes over all of D: each row
+             starts at the tail's spread of the table's gradient (member[v] G[bucket[v]] + static[v]
+             G[B]), adds its class's pairs (g times the hidden row, float32) and is written once (zeros
+             included), no atomics: the weight's whole gradient is one new (V, D) tensor; the head's
+             rows then add one GEMM by ``index_add_`` (distinct ids, in place).
 """
 
 from __future__ import annotations
@@ -181,7 +183,9 @@ class FusedCandidateLoss(torch.autograd.Function):
                 weight, rows, g_cand, gscale, base, grad_hidden, [blocks.t, blocks.d, blocks.warps]
             )
         if need_w or need_b:
-            keys, order = rows.view(-1).sort(stable=True)  # the (t, r) pairs by class
+            # The (t, r) pairs by class; those of zero gradient (rows = V: ignored tokens, labels in the head, whose
+            # gradient the head's GEMM carries) after the last class, out of every run: no long run of a frequent class.
+            keys, order = rows.view(-1).sort(stable=True)
             # Where each class's run of pairs begins, for all V + 1 boundaries at once (no search per program).
             classes = torch.arange(num_classes + 1, device=keys.device, dtype=keys.dtype)
             starts = torch.searchsorted(keys, classes, out_int32=True)

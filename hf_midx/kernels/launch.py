@@ -93,7 +93,7 @@ def candidate_forward(
         hidden, weight, bias if bias is not None else hidden, labels, ids, log_q,
         log_q_pos if log_q_pos is not None else log_q, head_ids, head_raw,
         per_token, stats, rows, g_cand, g_head, share if share is not None else per_token,
-        num_tokens, dim, m, num_head,
+        num_tokens, dim, m, num_head, weight.shape[0],
         hidden.stride(0), weight.stride(0), head_raw.stride(0) if num_head else 0,
         ignore_index, floats[0], floats[1],
         HAS_BIAS=bias is not None, SOFTCAP=softcap, CORRECTED=corrected, DROP_HITS=drop_hits,
@@ -117,7 +117,7 @@ def candidate_grad_hidden(
     r = rows.shape[1]
     _kernels().candidate_grad_hidden_kernel[(_cdiv(num_tokens, block_t), _cdiv(dim, block_d))](
         weight, rows, g_cand, gscale, base if base is not None else out, out,
-        num_tokens, dim, r,
+        num_tokens, dim, r, weight.shape[0],
         weight.stride(0), gscale.stride(0) if gscale.dim() else 0, base.stride(0) if base is not None else 0,
         out.stride(0),
         HAS_BASE=base is not None, BLOCK_T=block_t, BLOCK_R=_pow2(r), BLOCK_D=block_d, num_warps=warps,
