@@ -246,7 +246,6 @@ def sampled_softmax_loss(
             log_q_pos = None
         if fused:
             from .kernels import candidate_loss  # lazily: the kernels' module imports Triton when they run
-            from .kernels.candidate import _kernel_factors  # ADAPTER (issue 45): goes at the merge with i45a
 
             # The same draws, estimator and head: the kernels take the sorted head (excluded equals exact_ids'
             # set, checked above) and mask the ignored tokens themselves; the labels were range-checked above.
@@ -257,7 +256,7 @@ def sampled_softmax_loss(
                 head_ids=excluded.to(device) if num_exact else None, ignore_index=ignore_index,
                 logit_softcap=logit_softcap, corrected_positive=corrected, remove_accidental_hits=drops,
                 exact_value=exact_value, reduction=reduction, backend="fused", tail_control=factors is not None,
-                factors=None if factors is None else _kernel_factors(factors),
+                factors=factors,
             )
             # The kernels gave each draw's share back (out[1]); the expected part is added here.
             if factors is None:

@@ -269,15 +269,11 @@ def test_tail_control_gives_each_draw_its_share_back(blocks):
     assert rel_err(got["plain"][2], got["fused"][2]) > 1e-3
 
 
-# The proposal's factors as the kernels read them (issue 45's ProposalFactors: probs, bucket, member, static), with
-# today's embedding bags (rows, columns) beside them for hf_midx.tail_gradient.bucket_table.
-TailFactors = collections.namedtuple("TailFactors", "probs rows columns bucket member static")
-
-
 def tail_factors(case, num_buckets, static=True, seed=0):
-    """Random factors of a proposal with ``num_buckets`` buckets (0: a static one, probs None) over the case's
-    classes, the exact head's at weight 0 in every row, some classes never drawn by the bucket terms."""
-    from hf_midx.samplers.factors import proposal_bags, static_factors
+    """Random :class:`~hf_midx.samplers.factors.ProposalFactors` of a proposal with ``num_buckets`` buckets (0: a
+    static one, probs None) over the case's classes, the exact head's at weight 0 in every row, some classes never
+    drawn by the bucket terms."""
+    from hf_midx.samplers.factors import ProposalFactors, proposal_factors_fixed, static_factors
 
     g = torch.Generator().manual_seed(seed)
     (t, _), v = case.hidden.shape, case.weight.shape[0]
@@ -288,11 +284,11 @@ def tail_factors(case, num_buckets, static=True, seed=0):
         member[case.head] = 0.0
         if weight is not None:
             weight[case.head] = 0.0
-    if not num_buckets:  # B = 0: the static row is the only one (G[bucket] is G[B] then)
-        return TailFactors(*static_factors(weight), torch.zeros_like(bucket), weight, None)
-    rows, columns = proposal_bags(bucket, member, weight, num_buckets)
+    if not num_buckets:  # B = 0: the static row is the only one
+        return static_factors(weight)
+    fixed = proposal_factors_fixed(bucket, member, weight, num_buckets)
     probs = torch.softmax(torch.randn(t, num_buckets, generator=g), 1)
-    return TailFactors(probs, rows, columns, bucket, member, weight)
+    return ProposalFactors(probs, *fixed)
 
 
 def tail_step(case, loss_fn, factors, **kw):
@@ -304,23 +300,6 @@ def tail_step(case, loss_fn, factors, **kw):
         factors = factors._replace(probs=factors.probs.double())
     loss, share, table = loss_fn(case, tail_control=True, factors=factors, **kw)
     return expected_share(loss, share, factors, case.hidden, case.weight, case.bias, table=table)
-
-
-@compiled
-@pytest.mark.parametrize("static", [True, False, "B = 0"])
-def test_kernel_factors_read_back_the_class_fields(static):
-    """The adapter from today's ProposalFactors (its embedding bags) to the per-class fields the kernels read
-    (goes with :func:`hf_midx.kernels.candidate._kernel_factors` at the merge with branch i45a)."""
-    from hf_midx.kernels.candidate import _kernel_factors
-    from hf_midx.samplers.factors import ProposalFactors
-
-    case = make_case(16, 300, 8, 3, 10, seed=9)
-    want = tail_factors(case, 0 if static == "B = 0" else 4, static is True)
-    got = _kernel_factors(ProposalFactors(*want[:3]))
-    assert got[:3] == tuple(want[:3])
-    for name in ("bucket", "member", "static"):
-        a, b = getattr(got, name), getattr(want, name)
-        assert (a is None and b is None) or (torch.equal(a, b) and a.is_contiguous()), name
 
 
 @interpreted

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
 
 import torch
 
@@ -205,32 +204,6 @@ class FusedCandidateLoss(torch.autograd.Function):
             if not need_w:
                 grad_weight = None
         return (grad_hidden, grad_weight, grad_bias) + (None,) * 15
-
-
-# ====================================================================== ADAPTER: delete at the merge with i45a
-class _KernelFactors(NamedTuple):
-    """Today's :class:`~hf_midx.samplers.factors.ProposalFactors` with the per-class fields the fused kernels read
-    (issue 45's ProposalFactors keeps them itself: then this class and :func:`_kernel_factors` go)."""
-
-    probs: torch.Tensor | None
-    rows: tuple
-    columns: tuple
-    bucket: torch.Tensor
-    member: torch.Tensor
-    static: torch.Tensor | None
-
-
-def _kernel_factors(factors) -> _KernelFactors:
-    """bucket (V,) int64, member (V,) float32 and static (V,) float32 or None read back from ``factors.columns``
-    (index, offsets, weights): per class [bucket, B] and [member, static] interleaved, or bucket and member alone
-    without a static row (``proposal_bags``). TEMPORARY (issue 45): delete with :class:`_KernelFactors` at the
-    merge with branch i45a, whose ProposalFactors has these fields; its one caller (the fused branch of
-    :func:`hf_midx.sampled_softmax_loss`) then passes ``factors`` as they are."""
-    index, offsets, weights = factors.columns
-    if index.shape[0] == offsets.shape[0]:
-        return _KernelFactors(*factors, index.contiguous(), weights.float().contiguous(), None)
-    return _KernelFactors(*factors, index[0::2].contiguous(), weights[0::2].float().contiguous(),
-                          weights[1::2].float().contiguous())
 
 
 # ====================================================================== eager reference
