@@ -21,10 +21,23 @@ def row_chunks(total: int, per_row: int):
         yield slice(start, min(start + step, total))
 
 
+def step_state(*tensors: torch.Tensor) -> None:
+    """Mark tensors that a training step advances in place (its RNG counter, call counts) as static addresses
+    for ``torch.compile``: a CUDA graph of the step (``mode="reduce-overhead"``) then reads and updates them
+    where they live, as it does a parameter, instead of skipping the capture for a mutated input. Call it where
+    the state is created (outside the step), and keep its address: reset in place, never replace it."""
+    if torch.compiler.is_compiling():  # made inside a compiled region (a torch.Generator converted per call)
+        return
+    import torch._dynamo as dynamo  # noqa: PLC0415 (about a second, once; transformers' Trainer imports it anyway)
+
+    for t in tensors:
+        dynamo.mark_static_address(t)
+
+
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     """``cap * tanh(logits / cap)`` (Gemma-2's ``final_logit_softcapping``), any shape and dtype; ``logits`` when
     ``cap`` is None."""
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
-__all__ = ["row_chunks", "soft_cap"]
+__all__ = ["row_chunks", "soft_cap", "step_state"]

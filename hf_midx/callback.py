@@ -141,7 +141,7 @@ class MidxCallback(TrainerCallback):
                 stacklevel=2,
             )
         self._pending, self._saved_folder = {}, None
-        head.step_data.clear()
+        head.step_data.clear(local_device(head.weight))  # where the model now trains
         head.step_data.scheduled = True  # the host binding's "no MidxCallback" warning stays quiet
         self._nonfinite.start(state.global_step, state.epoch)
         if sampler_device(head) != local_device(head.weight):

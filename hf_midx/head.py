@@ -58,7 +58,7 @@ class MidxLMHead(nn.Module):
         # The values in use (exact_head at most V / 8): what midx_config.json and the card then show.
         config = self.config = config.for_vocabulary(self.num_classes)
         self.logit_softcap, self.logit_scale, self.binding = logit_softcap, float(logit_scale), None
-        self.step_data = StepData(config.kl_queries)
+        self.step_data = StepData(config.kl_queries, self.weight.device)
         self._class_counts, self._exact_depth = class_counts, 0
         self.exact_ids: torch.Tensor | None = exact_head_ids(config.exact_head, class_counts, self.num_classes)
         self.sampler = self._build_sampler(self.weight)  # a hf_midx.Sampler (no import: the head stays below them)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ._ops import step_state
+
 # SplitMix64 constants as signed int64 (torch has no uint64 arithmetic on every device).
 _GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
 _MUL1 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -45,6 +47,7 @@ class CounterRNG:
         self.device = torch.device(device)
         # [key, offset]: one tensor, so state save/restore and in-place advance touch one buffer.
         self._state = torch.zeros(2, dtype=torch.int64, device=self.device)
+        step_state(self._state)  # every draw advances it in place: a CUDA graph of the step replays the stream
         self.manual_seed(seed)
 
     # ------------------------------------------------------------------ state (torch.Generator-like)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ._ops import step_state
+
 #: Causes of the first non-finite training call, as :meth:`StepData.first_nonfinite_call` names them.
 NONFINITE_CAUSES = {1: "hidden states (the LM head's input)", 2: "loss"}
 
@@ -24,31 +26,41 @@ class StepData:
         kl_queries: k, how many hidden states :attr:`queries` keeps of the last call.
         last_batch: (hidden (T, D), shifted labels (T,), ignore_index) of the last recorded call, or None.
         call_counter: 0-dim int64 tensor on the head's device, the number of recorded calls since
-            :meth:`clear` (None before the first); a tensor, so that counting neither syncs nor makes
-            ``torch.compile`` recompile at every call. :attr:`calls` reads it.
+            :meth:`clear`; a tensor, so that counting neither syncs nor makes ``torch.compile`` recompile at
+            every call. :attr:`calls` reads it.
         scheduled: True while a :class:`~hf_midx.MidxCallback` (or another schedule) trains this head;
             the host binding warns once when a Trainer trains without one.
     """
 
-    def __init__(self, kl_queries: int) -> None:
+    def __init__(self, kl_queries: int, device: torch.device | str = "cpu") -> None:
         self.kl_queries = int(kl_queries)
         self.scheduled = False
-        self.clear()
+        self._counts = self._flags = None
+        self.clear(device)
 
-    def clear(self) -> None:
-        """Forget the kept batch, counters and finiteness record (not :attr:`scheduled`)."""
+    def clear(self, device: torch.device | str | None = None) -> None:
+        """Forget the kept batch, counters and finiteness record (not :attr:`scheduled`); ``device``: keep the
+        counters there from now on (the head's device, where it moved), else where they are."""
         self.last_batch: tuple[torch.Tensor, torch.Tensor, int] | None = None
-        self.call_counter: torch.Tensor | None = None
-        # [0 * (every loss so far), 0]: [0 until the first non-finite loss and NaN from then on, 0]; and
-        # [the calls before that one, all calls] (call_counter is a view of the second).
-        self._flags: torch.Tensor | None = None
-        self._counts: torch.Tensor | None = None
         self._queries: torch.Tensor | None = None
+        device = None if device is None else torch.device(device)
+        if self._counts is not None and device in (None, self._counts.device):
+            # In place: a compiled (CUDA-graph) step keeps reading and advancing the same tensors.
+            self._counts.zero_()
+            self._flags.zero_()
+            return
+        # [0 * (every loss so far), 0]: [0 until the first non-finite loss and NaN from then on, 0]; and
+        # [the calls before that one, all calls] (call_counter is a view of the second). Made here, outside
+        # the step: a step that made them at its first call would compile a second graph for the next calls.
+        self._flags = torch.zeros(2, dtype=torch.float32, device=device)
+        self._counts = torch.zeros(2, dtype=torch.long, device=device)
+        self.call_counter = self._counts[1]
+        step_state(self._flags, self._counts)
 
     @property
     def calls(self) -> int:
         """Recorded calls since :meth:`clear`; reads the device counter (a sync)."""
-        return 0 if self.call_counter is None else int(self.call_counter)
+        return int(self.call_counter)
 
     @torch.no_grad()
     def record(self, h: torch.Tensor, y: torch.Tensor, ignore_index: int, loss: torch.Tensor) -> None:
@@ -62,10 +74,10 @@ class StepData:
         """
         self.last_batch = (h.detach(), y, ignore_index)
         self._queries = None
-        if self._counts is None:
-            self._counts = torch.zeros(2, dtype=torch.long, device=h.device)
-            self._flags = torch.zeros(2, dtype=torch.float32, device=h.device)
+        if self._counts.device != h.device:  # the head moved without clear(device): the counts follow it
+            self._flags, self._counts = self._flags.to(h.device), self._counts.to(h.device)
             self.call_counter = self._counts[1]
+            step_state(self._flags, self._counts)
         loss = loss.detach()
         self._flags[:1].add_(loss if loss.dim() == 0 else loss.sum(), alpha=0)  # 0 * NaN or Inf is NaN
         self._counts.add_(self._flags == 0)
@@ -84,8 +96,6 @@ class StepData:
         or None. The cause is "hidden states" when the kept last batch's hidden states hold NaN/Inf (a
         non-finite input stays so from step to step), else "loss". Reads small tensors back (device syncs):
         call it at logging steps, not per micro-batch."""
-        if self._counts is None:
-            return None
         call, calls = self._counts.tolist()
         if call >= calls:
             return None

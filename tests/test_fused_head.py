@@ -29,6 +29,7 @@ from hf_midx.kernels import candidate, candidate_loss, triton_available
 
 from _models import clone_model, markov_batches, tiny_model
 from test_kernels import _FREE, OpCounter, launched_kernels, make_case, run, run_interpreted
+from test_hot_path import check_head_step_is_one_capturable_graph
 from test_op_count import _default_head_step
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -291,6 +292,14 @@ def test_fused_path_traces_as_one_graph_and_compiles_to_the_same_loss():
     got = run(lambda c: compiled(c.hidden, c.weight, c.bias), case)
     for a, b in zip(got, run(lambda c: loss(c.hidden, c.weight, c.bias), case)):
         torch.testing.assert_close(a, b)
+
+
+@interpreted
+def test_fused_head_step_is_one_capturable_graph():
+    """The default head with the fused kernels (custom ops) under torch.compile(fullgraph=True): one graph over
+    6 steps, the eager fused step's losses (to rounding: other block sizes), its state at static addresses."""
+    mutated = check_head_step_is_one_capturable_graph("fused", num_classes=V, dim=D, tokens=16, exact=False)
+    assert {name.rsplit(".", 1)[-1] for name in mutated} == {"_state", "_counts", "_flags"}, mutated
 
 
 # ------------------------------------------------------------------------------------------ validation

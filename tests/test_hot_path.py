@@ -13,12 +13,14 @@ import collections
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _models import tiny_model
 import hf_midx
 from hf_midx import MidxConfig, MidxLMHead, build_sampler, sampled_softmax_loss
 from hf_midx.head import find_head
+from hf_midx.step_data import StepData
 
 _SYNC_OPS = {
     "_local_scalar_dense",
@@ -164,30 +166,144 @@ def test_sampled_loss_compiles_without_graph_break(negatives):
     assert torch.equal(state_c, state_e) and not torch.equal(state_c, start)
 
 
-def test_head_loss_compiles_and_stops_recompiling():
-    """``MidxLMHead.loss`` (sampler, estimator, step data) under fullgraph compile.
+class DevicelessFactories(TorchFunctionMode):
+    """Records the factory calls (``torch.zeros``, ``arange``, ``tensor``, ...) made without a device: on a GPU
+    they make CPU tensors, and Inductor does not capture a CUDA graph with CPU tensors in it."""
 
-    Its per-call bookkeeping lives in device tensors: after the first call (which creates them) no
-    guard changes, so five calls fit in two compiled versions.
-    """
+    FACTORIES = (torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
+                 torch.linspace, torch.eye, torch.scalar_tensor, torch.rand, torch.randn, torch.randint)
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FACTORIES and kwargs.get("device") is None:
+            self.calls.append(func.__name__)
+        return func(*args, **kwargs)
+
+
+class GraphRecorder:
+    """A ``torch.compile`` backend (``aot_eager``'s ATen graphs) that keeps, for each graph it compiles, the inputs
+    its forward mutates and whether each is a static address: CUDA graph trees (``mode="reduce-overhead"``)
+    replay a graph that mutates only static inputs (parameters, buffers, ``mark_static_address``), and skip
+    the capture of one that mutates another. The flags are AOTAutograd's, the ones Inductor's check reads."""
+
+    def __init__(self):
+        self.graphs: list[dict[str, bool]] = []  # per compiled graph: {mutated input's source: static}
+
+    def __call__(self, gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        names = [n._dynamo_source.name for n in gm.graph.find_nodes(op="placeholder")]
+
+        def forward(fx, inputs):
+            meta = torch._guards.TracingContext.get().fw_metadata
+            lifted = len(meta.input_info) - len(names)  # parameters AOTAutograd lifted ahead of Dynamo's inputs
+            self.graphs.append({
+                names[i - lifted] if i >= lifted else f"lifted {i}": i in meta.static_input_indices
+                for i, info in enumerate(meta.input_info) if info.mutates_data or info.mutates_metadata
+            })
+            return make_boxed_func(fx)
+
+        return aot_autograd(fw_compiler=forward, bw_compiler=lambda fx, _: make_boxed_func(fx))(gm, example_inputs)
+
+
+def check_head_step_is_one_capturable_graph(kernels="auto", num_classes=2000, dim=32, tokens=48, steps=6, exact=True):
+    """The default head's step (bf16 weight) under ``torch.compile(fullgraph=True)``, ``steps`` times: one graph
+    from the first call on (no recompile; fullgraph turns a graph break into an error), the eager step's
+    losses and gradients bit for bit from the same generator state, the per-step state (the generator's
+    counter, the step data's call counts) advanced in place at static addresses, and neither a host sync nor
+    a device-less factory call in the step. Returns the mutated inputs.
+    ``exact=False``: losses and gradients close, not equal (the interpreted fused kernels pick smaller blocks
+    in eager mode than while traced, and so sum in another order)."""
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    weight = torch.nn.Parameter(torch.randn(300, 16))
-    linear = torch.nn.Linear(16, 300, bias=False)
-    linear.weight = weight
-    counts = torch.arange(300, 0, -1).float()
-    config = MidxConfig(codebook_size=8, num_samples=8, exact_head=16)
-    head = MidxLMHead(linear, config, class_counts=counts)
-    hidden = torch.randn(24, 16, requires_grad=True)
-    labels = torch.randint(300, (24,))
-    labels[::7] = -100
-    step = torch.compile(lambda h, y: head.loss(h, y), fullgraph=True, backend="aot_eager")
-    with torch._dynamo.config.patch(recompile_limit=2):
-        for _ in range(5):
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(1, 1000, (num_classes,), generator=g).double()
+    linear = torch.nn.Linear(dim, num_classes, bias=False).to(torch.bfloat16)
+    head = MidxLMHead(linear, MidxConfig(kernels=kernels), class_counts=counts)
+    assert head.exact_ids is not None and head.config.tail_gradient == "auto"  # the default head, in full
+    hidden = torch.randn(tokens, dim, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.multinomial(counts.float(), tokens, replacement=True, generator=g)
+    labels[::9] = -100
+    recorder = GraphRecorder()
+    compiled = torch.compile(lambda h, y: head.loss(h, y), fullgraph=True, backend=recorder)
+    with DevicelessFactories() as factories, SyncCounter() as syncs:  # an eager step: what a capture forbids
+        head.loss(hidden, labels).backward()
+    assert not factories.calls and not syncs.counts, (factories.calls, dict(syncs.counts))
+    start = head.sampler.generator.get_state()
+    state = (head.sampler.generator._state, head.step_data._counts, head.step_data._flags)
+    runs = []
+    for step in (lambda h, y: head.loss(h, y), compiled):
+        head.sampler.generator.set_state(start)
+        head.step_data.clear()
+        results = []
+        for _ in range(steps):
+            hidden.grad = head.weight.grad = None
             loss = step(hidden, labels)
             loss.backward()
-    assert torch.isfinite(loss) and head.sampled_calls == 5
-    assert head.last_queries is not None and head.last_queries.shape == (min(config.kl_queries, 24), 16)
+            results.append((loss.detach(), hidden.grad, head.weight.grad))
+        runs.append(results)
+        assert head.sampled_calls == steps and head.last_queries is not None
+    assert len(recorder.graphs) == 1, f"{len(recorder.graphs)} graphs compiled over {steps} steps"
+    for want, got in zip(*runs):
+        assert torch.isfinite(got[0])
+        for a, b in zip(got, want):
+            if exact:
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-5)
+    assert len({float(loss) for loss, *_ in runs[1]}) > 1  # the draws moved on from step to step
+    # The state tensors are the ones made at construction, advanced in place; each mutated input is static.
+    assert (head.sampler.generator._state, head.step_data._counts, head.step_data._flags) == state
+    mutated = recorder.graphs[0]
+    assert mutated and all(mutated.values()), mutated
+    return mutated
+
+
+def test_default_head_step_is_one_capturable_graph():
+    """Issue 45 (4): the first call's lazily made step data compiled a second graph; now they are made with the
+    head. The CPU default (eager kernels, expected tail gradient); test_fused_head runs the fused kernels."""
+    mutated = check_head_step_is_one_capturable_graph()
+    assert {name.rsplit(".", 1)[-1] for name in mutated} == {"_state", "_counts", "_flags"}, mutated
+
+
+def test_a_functional_loss_advances_a_static_generator():
+    """Outside a module (``sampled_softmax_loss`` with a sampler of one's own) Dynamo marks nothing static by
+    itself: the generator marks its counter, so a CUDA graph of such a step still replays its draws."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(300, 16, generator=g, requires_grad=True)
+    hidden = torch.randn(24, 16, generator=g, requires_grad=True)
+    labels = torch.randint(300, (24,), generator=g)
+    sampler = build_sampler("midx-rq", weight.detach(), codebook_size=8, mix_weight=0.0)
+    recorder = GraphRecorder()
+
+    def loss_fn(h, w, y):
+        return sampled_softmax_loss(h, w, y, sampler, 8, check_labels=False)
+
+    for _ in range(3):
+        torch.compile(loss_fn, fullgraph=True, backend=recorder)(hidden, weight, labels).backward()
+    assert len(recorder.graphs) == 1 and list(recorder.graphs[0].values()) == [True], recorder.graphs
+
+
+def test_step_data_resets_in_place_and_follows_the_head():
+    """clear() zeroes the call counts where they are (a captured step keeps their address); a call on another
+    device (the head moved: "meta" stands in for the GPU) or clear(device) moves them there."""
+    data = StepData(4, "cpu")
+    counts = data._counts
+    h, y = torch.randn(6, 3), torch.arange(6)
+    data.record(h, y, -100, torch.tensor(float("nan")))
+    data.record(h, y, -100, torch.tensor(1.0))
+    assert data.calls == 2 and data.first_nonfinite_call() == (0, "loss")
+    data.clear()
+    assert data._counts is counts and data.calls == 0 and data.first_nonfinite_call() is None
+    data.record(h.to("meta"), y.to("meta"), -100, torch.tensor(1.0, device="meta"))
+    assert data._counts.device.type == data.call_counter.device.type == "meta"
+    data.clear("cpu")
+    assert data._counts.device.type == "cpu" and data.calls == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CPU has no device-to-host syncs to catch)")

@@ -38,7 +38,7 @@ def _default_head_step(num_tokens: int, num_classes: int = 3000, dim: int = 48, 
         hidden.grad = head.weight.grad = None
         head.loss(hidden, labels).backward()
 
-    step()  # the first call creates the step data's buffers
+    step()  # a warm-up, as training runs (the head makes no state at its first call: test_hot_path)
     return head, step
 
 
