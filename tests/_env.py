@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -18,5 +20,9 @@ def offline_env(**extra: str) -> dict[str, str]:
         TOKENIZERS_PARALLELISM="false",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
     )
+    if not torch.cuda.is_available():
+        # DeepSpeed (a dev dependency), imported by accelerate inside the recipes, otherwise probes for an
+        # accelerator and prints its "Setting accelerator to CPU" warning on stdout, which the recipes keep empty.
+        env.setdefault("DS_ACCELERATOR", "cpu")
     env.update(extra)
     return env
