@@ -22,24 +22,24 @@ helpers) is plain PyTorch, with Triton kernels beside it in ``kernels``; the Hug
 
 import importlib as _importlib
 
-from .codebooks import LearnableCodebooks
+from .indexing.codebooks import LearnableCodebooks
 from .data import token_counts
-from .diagnostics import kl_to_softmax, proposal_diagnostics
-from .index import MidxIndex
-from .loss import full_softmax_loss, sampled_softmax_loss
+from .integration.diagnostics import kl_to_softmax, proposal_diagnostics
+from .indexing.index import MidxIndex
+from .losses.loss import full_softmax_loss, sampled_softmax_loss
 from .rng import CounterRNG
 from .samplers import SAMPLERS, Sampler, build_sampler
 from .version import __version__, versions
-from .wrap import unwrap, wrap
+from .integration.wrap import unwrap, wrap
 
 # Public names of the transformers layer -> the module that defines them.
 _LAZY = {
-    "MidxCallback": "callback",
+    "MidxCallback": "integration.callback",
     "MidxConfig": "config",
-    "MidxLMHead": "head",
-    "MidxNonFiniteError": "callback",
-    "MidxTrainer": "trainer",
-    "refresh_index": "callback",
+    "MidxLMHead": "integration.head",
+    "MidxNonFiniteError": "integration.callback",
+    "MidxTrainer": "integration.trainer",
+    "refresh_index": "integration.callback",
 }
 
 

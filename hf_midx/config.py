@@ -134,14 +134,14 @@ class MidxConfig:
         default=defaults.TAIL_GRADIENT,
         metadata={
             "help": "'auto' (default): 'expected' where it applies, else 'sampled'. 'expected': every tail class "
-            "moves each step by its expected gradient (hf_midx.tail_gradient); 'sampled': only the drawn ones."
+            "moves each step by its expected gradient (hf_midx.losses.tail_gradient); 'sampled': only the drawn ones."
         },
     )
     kernels: str = field(
         default=defaults.KERNELS,
         metadata={
             "help": f"How the sampled loss is computed from the draws; one of {KERNEL_MODES}. 'auto': fused Triton "
-            "kernels (hf_midx.kernels) on CUDA with Triton and per-query negatives, eager PyTorch elsewhere. 'fused': "
+            "kernels on CUDA with Triton and per-query negatives, eager PyTorch elsewhere. 'fused': "
             "always the kernels (a ValueError where they cannot run); 'eager': always PyTorch. Same loss and "
             "gradients from the same draws, within float rounding."
         },
@@ -193,8 +193,8 @@ class MidxConfig:
     log_kl: bool = field(
         default=True,
         metadata={
-            "help": "At each logging step, log how well the proposal covers the softmax on kl_queries hidden states "
-            "(hf_midx.diagnostics): midx/kl = KL(Q || P), midx/kl_pq = KL(P || Q), midx/ess (effective sample size "
+            "help": "At each logging step, log how well the proposal covers the softmax on kl_queries hidden states: "
+            "midx/kl = KL(Q || P), midx/kl_pq = KL(P || Q), midx/ess (effective sample size "
             "as a fraction of the draws), midx/mass_p_over_q_gt_10 and, with an exact head, midx/head_mass."
         },
     )

@@ -34,17 +34,17 @@ UNIGRAM_POWER = 1.0
 #: How the sampled softmax draws its negatives: each token its own, or one pool per batch.
 NEGATIVE_MODES = ("per-query", "shared")
 NEGATIVES = "per-query"
-#: How the per-query sampled softmax moves the tail classes (see :mod:`hf_midx.tail_gradient`): every one by its
+#: How the per-query sampled softmax moves the tail classes (see :mod:`hf_midx.losses.tail_gradient`): every one by its
 #: expectation under the proposal plus the draws' deviation from it ("expected"), or only the drawn ones
 #: ("sampled"); "auto" (the default) takes "expected" wherever it applies (per-query negatives, accidental hits
 #: kept, no logit soft-cap, a proposal with a closed form: MIDX, unigram, uniform, log-uniform), else "sampled".
 TAIL_GRADIENTS = ("auto", "expected", "sampled")
 TAIL_GRADIENT = "auto"
-#: How the label's logit enters the sampled softmax (see :mod:`hf_midx.loss`).
+#: How the label's logit enters the sampled softmax (see :mod:`hf_midx.losses.loss`).
 ESTIMATORS = ("exact-positive", "corrected-positive")
 ESTIMATOR = "corrected-positive"
 
-#: How the per-query sampled softmax is computed: the fused Triton kernels of :mod:`hf_midx.kernels`, the eager
+#: How the per-query sampled softmax is computed: the fused Triton kernels of :mod:`hf_midx.losses.kernels`, the eager
 #: PyTorch path (the reference, and the CPU path), or "auto": fused where they can run (CUDA tensors, Triton,
 #: per-query negatives). ``MidxConfig`` defaults to "auto"; :func:`hf_midx.sampled_softmax_loss` to "eager".
 KERNEL_MODES = ("auto", "fused", "eager")

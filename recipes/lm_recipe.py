@@ -36,9 +36,9 @@ from transformers import Trainer, TrainerCallback
 
 import hf_midx
 from hf_midx._io import atomic_write
-from hf_midx.model_card import extend_model_card, save_model_card
-from hf_midx.state import has_state
-from hf_midx.trainer import MidxTrainer, PerplexityMixin
+from hf_midx.integration.model_card import extend_model_card, save_model_card
+from hf_midx.integration.state import has_state
+from hf_midx.integration.trainer import MidxTrainer, PerplexityMixin
 
 if __package__:  # imported as recipes.lm_recipe (python -m recipes.wikitext2, the tests, the benchmarks)
     from . import lm_args, lm_data, lm_report

@@ -1,4 +1,4 @@
-"""One process of the two-process CPU test in tests/test_distributed.py (run by torchrun, gloo backend).
+"""One process of the two-process CPU test in tests/integration/test_distributed.py (run by torchrun, gloo backend).
 
 Usage: python -m torch.distributed.run --standalone --nproc_per_node 2 tests/_ddp_worker.py OUT_DIR
 
@@ -26,7 +26,7 @@ from recipes.lm_recipe import end_process_group  # noqa: E402
 from _models import markov_batches, tiny_model  # noqa: E402
 import hf_midx  # noqa: E402
 from hf_midx import MidxConfig  # noqa: E402
-from hf_midx.head import find_head  # noqa: E402
+from hf_midx.integration.head import find_head  # noqa: E402
 from hf_midx import MidxTrainer  # noqa: E402
 
 VOCAB, SEQ = 256, 16

@@ -1,4 +1,4 @@
-"""One process of the two-process FSDP2 test in tests/test_fsdp.py (run by torchrun, gloo backend, CPU).
+"""One process of the two-process FSDP2 test in tests/integration/test_fsdp.py (run by torchrun, gloo backend, CPU).
 
 Usage: python -m torch.distributed.run --standalone --nproc_per_node 2 tests/_fsdp_worker.py OUT_DIR
 
@@ -31,8 +31,8 @@ from recipes.lm_recipe import end_process_group  # noqa: E402
 from _models import markov_batches, tiny_model  # noqa: E402
 import hf_midx  # noqa: E402
 from hf_midx import MidxConfig, refresh_index  # noqa: E402
-from hf_midx.head import find_head  # noqa: E402
-from hf_midx.distributed import full_head_weight  # noqa: E402
+from hf_midx.integration.head import find_head  # noqa: E402
+from hf_midx.integration.distributed import full_head_weight  # noqa: E402
 
 
 def gathered_equal(tensor: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""One process of the two-process DeepSpeed ZeRO-3 test in tests/test_zero3.py (torchrun, gloo, CPU).
+"""One process of the two-process DeepSpeed ZeRO-3 test in tests/integration/test_zero3.py (torchrun, gloo, CPU).
 
 Usage: DS_ACCELERATOR=cpu python -m torch.distributed.run --standalone --nproc_per_node 2 \
            tests/_zero3_worker.py OUT_DIR ARCH [ARCH ...]
@@ -44,8 +44,8 @@ from _ddp_worker import Rows  # noqa: E402
 from _models import markov_batches, tiny_model  # noqa: E402
 import hf_midx  # noqa: E402
 from hf_midx import MidxCallback, MidxConfig, MidxTrainer  # noqa: E402
-from hf_midx.head import find_head  # noqa: E402
-from hf_midx.zero import full_shape  # noqa: E402
+from hf_midx.integration.head import find_head  # noqa: E402
+from hf_midx.integration.zero import full_shape  # noqa: E402
 
 VOCAB, SEQ, STEPS, CHECKPOINT_STEP = 4096, 16, 6, 3
 OPTIONS = {"llama": dict(negatives="per-query"), "gpt2": dict(negatives="shared", codebooks="learned")}

@@ -19,6 +19,15 @@ import torch  # noqa: E402
 # which made the tests several times slower than with one thread.
 torch.set_num_threads(1)
 
+# The tests stand in one folder per layer (indexing/, samplers/, losses/, integration/), and a few import helpers
+# from a test module of another folder (test_fused_head from test_kernels): every folder is on sys.path, as the one
+# flat folder was, so each test module is imported once, under its own name.
+import sys  # noqa: E402
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[1:1] = [os.path.join(_TESTS, d) for d in sorted(os.listdir(_TESTS))
+                 if d.isidentifier() and not d.startswith("_") and os.path.isdir(os.path.join(_TESTS, d))]
+
 #: False-alarm level of every single statistical check in the suite.
 ALPHA = 1e-4
 

@@ -85,7 +85,7 @@ def test_the_wrapped_models_sampler_is_build_samplers():
     """hf_midx.wrap(model) with MidxConfig() builds build_sampler("midx-rq", w)'s sampler (with the exact head
     excluded): the same K, mixture and last stage, the same draws; its loss uses the config's estimator."""
     import hf_midx
-    from hf_midx.head import find_head
+    from hf_midx.integration.head import find_head
     from tests._models import VOCAB, tiny_model
 
     counts = torch.arange(VOCAB) % 13 + 1
@@ -297,7 +297,7 @@ def test_for_vocabulary_lowers_exact_head_to_a_eighth_of_v_and_warns_for_a_set_v
 
 
 def test_model_card_shows_the_exact_head_in_use():
-    from hf_midx.model_card import midx_training_facts
+    from hf_midx.integration.model_card import midx_training_facts
 
     assert midx_training_facts(MidxConfig(exact_head=999999), num_classes=1000)["exact_head"] == 125
     assert midx_training_facts(MidxConfig(exact_head=64), num_classes=1000)["exact_head"] == 64
@@ -305,7 +305,7 @@ def test_model_card_shows_the_exact_head_in_use():
 
 def test_model_card_shows_what_each_sampler_uses():
     """midx-exact draws from the exact softmax: no mixture, no last stage, and its own quantizer option."""
-    from hf_midx.model_card import midx_training_facts
+    from hf_midx.integration.model_card import midx_training_facts
 
     exact = midx_training_facts(MidxConfig(sampler="midx-exact", sampler_options={"quantizer": "pq"}))
     assert (exact["mixture_text"], exact["quantizer"], exact["last_stage"]) == ("none", "product (pq)",

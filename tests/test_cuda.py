@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM
 from _models import clone_model, tiny_model
 import hf_midx
 from hf_midx import SAMPLERS, MidxConfig, MidxTrainer, build_sampler
-from hf_midx.head import find_head
-from hf_midx.loss import full_softmax_loss, sampled_softmax_loss
+from hf_midx.integration.head import find_head
+from hf_midx.losses.loss import full_softmax_loss, sampled_softmax_loss
 from test_head import _LargestTensor
 from test_trainer import VOCAB, RowsDataset, eval_rows, markov_rows, training_args
 
@@ -144,8 +144,8 @@ def test_wrapped_model_on_device(arch, dtype):
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="kernels='auto' takes the fused kernels on CUDA only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_default_head_on_cuda_takes_the_fused_kernels(dtype, monkeypatch):
-    """MidxConfig()'s kernels="auto" runs hf_midx.kernels on CUDA, with the eager path's loss and gradients."""
-    kernels = pytest.importorskip("hf_midx.kernels")
+    """MidxConfig()'s kernels="auto" runs hf_midx.losses.kernels on CUDA, with the eager path's loss and gradients."""
+    kernels = pytest.importorskip("hf_midx.losses.kernels")
     if not kernels.triton_available():
         pytest.skip("Triton is not installed")
     calls = []

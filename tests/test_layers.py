@@ -110,10 +110,10 @@ def _longest_chain(room: str) -> tuple[str, ...]:
 def test_the_graph_is_read():
     # A check of the reader itself: these arrows exist, so a reader that finds none is broken.
     assert "hf_midx.samplers.midx" in GRAPH["hf_midx.samplers"]
-    assert "hf_midx.index" in GRAPH["hf_midx.samplers.midx"]
-    assert {"hf_midx.samplers", "hf_midx.wrap"} <= GRAPH["hf_midx"]
+    assert "hf_midx.indexing.index" in GRAPH["hf_midx.samplers.midx"]
+    assert {"hf_midx.samplers", "hf_midx.integration.wrap"} <= GRAPH["hf_midx"]
     assert "hf_midx.samplers" not in GRAPH["hf_midx.samplers.base"]  # its own package: already running
-    assert {"hf_midx.index", "hf_midx.registry"} <= ROOMS["hf_midx.samplers"]
+    assert {"hf_midx.indexing", "hf_midx.registry"} <= ROOMS["hf_midx.samplers"]
 
 
 def test_no_circle_of_imports():
@@ -132,13 +132,13 @@ def test_at_most_seven_floors_from_the_top():
 
 # Sizes past which a file holds more than one idea (the house's limits; see CHANGELOG): the head is a layer, the
 # callback a scheduler, MidxTrainer the callback plus exact evaluation.
-MAX_LINES = {"hf_midx.head": 250, "hf_midx.callback": 300}
+MAX_LINES = {"hf_midx.integration.head": 250, "hf_midx.integration.callback": 300}
 
 
 def test_each_file_holds_one_idea():
     for name, path in MODULES.items():
         lines = len(path.read_text().splitlines())
         assert lines <= MAX_LINES.get(name, 450), f"{path.relative_to(PACKAGE.parent)} has {lines} lines"
-    trainer = ast.parse(MODULES["hf_midx.trainer"].read_text())
+    trainer = ast.parse(MODULES["hf_midx.integration.trainer"].read_text())
     (cls,) = [n for n in trainer.body if isinstance(n, ast.ClassDef) and n.name == "MidxTrainer"]
     assert cls.end_lineno - cls.lineno + 1 <= 120, f"MidxTrainer has {cls.end_lineno - cls.lineno + 1} lines"

@@ -1,4 +1,4 @@
-"""The closed form of a proposal that the expected tail gradient (:mod:`hf_midx.tail_gradient`) reads."""
+"""The closed form of a proposal that the expected tail gradient (:mod:`hf_midx.losses.tail_gradient`) reads."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ CHUNK = 512
 
 
 class TableLayout(NamedTuple):
-    """How :func:`hf_midx.tail_gradient.bucket_table` sums S @ rows in parallel and
-    :func:`hf_midx.tail_gradient.spread` spreads a table back: S cut into bags of at most :data:`CHUNK` classes,
+    """How :func:`hf_midx.losses.tail_gradient.bucket_table` sums S @ rows in parallel and
+    :func:`hf_midx.losses.tail_gradient.spread` spreads a table back: S cut into bags of at most :data:`CHUNK` classes,
     each a function of (V, B) in shape (n = B + V // CHUNK chunks, empty ones padding), built at a refresh.
 
     chunks: S's bucket rows in chunks, the classes the proposal draws in bucket order (the others, the exact
@@ -42,7 +42,7 @@ class TableLayout(NamedTuple):
 
 
 class ProposalFactors(NamedTuple):
-    """A proposal in the closed form the expected tail gradient needs (see :mod:`hf_midx.tail_gradient`):
+    """A proposal in the closed form the expected tail gradient needs (see :mod:`hf_midx.losses.tail_gradient`):
 
     Q(i | z_t) = sum_b probs[t, b] S[b, i] + S[B, i],   S[b, i] = member[i] [bucket[i] = b],   S[B, i] = static[i]
 

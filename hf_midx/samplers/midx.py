@@ -31,8 +31,8 @@ from .. import defaults
 from .._checks import check_positive_int, is_number
 from .._ops import row_chunks
 from ..defaults import KMEANS_BACKENDS, LAST_STAGES, MIX_STATICS
-from ..index import MidxIndex
-from ..quantizers import QUANTIZERS
+from ..indexing.index import MidxIndex
+from ..indexing.quantizers import QUANTIZERS
 from ..registry import register
 from ..rng import as_counter_rng
 from .base import Sampler, mixture_log_prob

@@ -7,7 +7,7 @@
 #      (per-query and shared pool), and the default head at M = 5;
 #   2. bench_e2e: Gemma-3-270M- and Qwen2.5-0.5B-sized models, sequences of 2,048, bf16: tokens/s and
 #      peak memory for the full softmax, CCE, Liger and the default MIDX head (M = 20, and M = 5);
-#   3. the CUDA tests: tests/test_cuda.py (bf16 samplers, losses, head, MidxTrainer) and tests/test_hot_path.py
+#   3. the CUDA tests: tests/test_cuda.py (bf16 samplers, losses, head, MidxTrainer) and tests/integration/test_hot_path.py
 #      (no host sync in a training step, torch.compile);
 #   4. profile_head: the profiler's top ops of the default head's step at the Gemma-3-270M shape;
 #   5. the default head under torch.compile at the Gemma-3-270M shape (Inductor; warm-up calls absorb the
@@ -57,7 +57,7 @@ timeout "${E2E_TIMEOUT:-150}" python3 recipes/benchmarks/bench_e2e.py --device "
   2>&1 | tee "$RESULTS/bench_e2e.log" || status=1
 pack
 HF_MIDX_TEST_DEVICE=$DEVICE timeout "${TESTS_TIMEOUT:-100}" python3 -m pytest -q -p no:cacheprovider \
-  tests/test_cuda.py tests/test_hot_path.py 2>&1 | tail -25 | tee "$RESULTS/tests.log" || status=1
+  tests/test_cuda.py tests/integration/test_hot_path.py 2>&1 | tail -25 | tee "$RESULTS/tests.log" || status=1
 pack
 timeout "${PROFILE_TIMEOUT:-45}" python3 recipes/benchmarks/profile_head.py --device "$DEVICE" "${smoke[@]}" \
   --out "$RESULTS" --model gemma3-270m 2>&1 | tee "$RESULTS/profile_head.log" || status=1

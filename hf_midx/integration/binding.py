@@ -1,0 +1,281 @@
+"""HostBinding: the routing of each call of a wrapped model (the *host*) to its :class:`~hf_midx.MidxLMHead`.
+
+:func:`hf_midx.wrap` swaps the modules and creates the binding; the binding owns each training step's
+hand-off: its forward pre-hook looks at the call's labels, it keeps the head's input, shifts the labels
+once and calls :meth:`MidxLMHead.loss` from the host's ``loss_function``, which it replaces on the
+instance. :meth:`HostBinding.remove` undoes every change.
+
+Shapes: B batch, S sequence, D hidden dims.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.utils import ModelOutput
+
+_CAUSAL_LM_LOSS_TYPE = "ForCausalLM"
+
+
+# transformers exports neither its loss registry nor a way to drop a loss function set on one instance: these
+# two functions are hf_midx's only contact with those names, and tests/integration/test_head.py checks that both still hold.
+def _loss_registry() -> dict:
+    """transformers' ``LOSS_MAPPING``, loss type -> loss function: the ``loss_function`` property's default reads
+    it, and so does the Trainer to decide that a model's loss shifts the labels
+    (``LOSS_MAPPING.get(model.loss_type) is ForCausalLMLoss``)."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    return LOSS_MAPPING
+
+
+def _own_loss_function(host: nn.Module, *, remove: bool = False):
+    """The loss function set on this instance (``host.loss_function = f``), or None where the model uses its
+    ``loss_type``'s; ``remove=True`` also drops it. The public setter stores it as ``_loss_function``, which
+    the ``loss_function`` property returns first; transformers has no public way to delete it."""
+    own = host.__dict__.get("_loss_function")
+    if remove and own is not None:
+        del host.__dict__["_loss_function"]
+    return own
+
+
+@dataclass
+class MidxFusedOutput(ModelOutput):
+    """What a wrapped model returns for ``model(..., labels=..., fused_lm_head=True)`` in training mode.
+
+    The fields of TRL's ``FusedCausalLMOutput`` (``add_fused_lm_head``), from the sampled softmax.
+    Per-token fields have the shape of the shifted labels: (B, S - 1), or (B, S) with ``shift_labels``.
+
+    Attributes:
+        loss: float32 scalar, the sampled loss (sum over non-ignored tokens / ``num_items_in_batch``,
+            or their mean), plus the model's auxiliary loss where it adds one; its value estimates the exact
+            cross-entropy, its gradient is the sampled objective's (see ``sampled_softmax_loss``).
+        log_probs: float32, each label's log-probability as estimated from the draws (the exact head plus
+            the importance-sampled tail), 0 at ignored positions; an estimate, not the exact value.
+        entropy: float32, NaN (not available without the full softmax).
+        is_top1: float32, NaN (not available without the full softmax).
+        log_sum_sq_probs, mean_logits: None.
+        label_mask: bool, True where the label is not ignored.
+        aux_loss: the model's auxiliary (MoE) loss, or None.
+    """
+
+    loss: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    label_mask: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+class HostBinding:
+    """Everything :func:`hf_midx.wrap` changed on the host model, and the routing of each host call to the head
+    (the :class:`~hf_midx.MidxLMHead`; the binding needs only its ``loss``, ``exact_only``, ``step_data`` and
+    ``training``, so this module does not import it).
+
+    It holds the removable handles of a forward pre-hook and a forward hook on the host, the host's
+    own ``loss_function`` (replaced on the instance by :meth:`loss_function`) and ``loss_type``, and
+    where ``labels`` sits among the forward's positional arguments. :meth:`remove` undoes all of it.
+
+    Per host call, the pre-hook looks at the call's ``labels``:
+
+    * no labels, or eval mode outside ``head.exact_loss_only()``: full logits, so ``generate()``,
+      pipelines and evaluation behave exactly as before;
+    * training mode with labels: the binding keeps the head's input (the head returns a (B, S, 0)
+      placeholder), and the host's loss computes :func:`hf_midx.sampled_softmax_loss` with ``ForCausalLMLoss`` label
+      semantics. **In training, ``outputs.logits`` is that placeholder**;
+    * inside ``head.exact_loss_only()`` with labels: the same, with the exact full-softmax loss;
+    * training mode with labels and ``fused_lm_head=True`` (TRL's trainers, after
+      ``trl.trainer.utils.add_fused_lm_head``): the sampled loss, returned as :class:`MidxFusedOutput`
+      (``log_probs`` of the sampled softmax, ``entropy`` / ``is_top1`` NaN). Outside training mode
+      TRL's own exact, tiled computation runs unchanged.
+
+    The forward hook (``always_call=True``) ends the call. A Trainer's training call (it passes
+    ``num_items_in_batch``) to a head that no :class:`~hf_midx.MidxCallback` schedules warns once.
+
+    The host's ``loss_type`` is set to ``"ForCausalLM"`` where it names no causal-LM loss (GPT-2
+    declares none): the binding always shifts the labels, and the Trainer reads ``loss_type`` to count
+    ``num_items_in_batch`` over ``labels[..., 1:]``.
+
+    A training call's hand-off has this one owner: the head offers its input to :meth:`capture`, which keeps
+    it when the pre-hook has asked for it; the host then calls :meth:`loss_function`, which shifts the
+    labels once and calls ``head.loss``; the forward hook forgets what is left.
+    """
+
+    def __init__(self, head: nn.Module, host: nn.Module) -> None:
+        self.head, self.host = head, host
+        self.handles: list[Any] = []
+        self.had_loss_function = _own_loss_function(host) is not None
+        self.saved_loss_function = host.loss_function
+        self.saved_loss_type = getattr(host, "loss_type", None)
+        try:
+            params = list(inspect.signature(host.forward).parameters.values())
+            positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            self.labels_position = positional.index("labels") if "labels" in positional else None
+        except (TypeError, ValueError):
+            self.labels_position = None
+        self._capturing, self._exact = False, False
+        self._hidden: torch.Tensor | None = None  # (B, S, D): the head's input in the current call
+        self._fused: dict[str, Any] | None = None  # set for a training call with fused_lm_head=True
+        self._warned_unhooked = self._warned_unscheduled = self._warned_full_training = False
+
+    def attach(self) -> None:
+        """Register the hooks, replace the host's ``loss_function`` and declare its loss type."""
+        host, registry = self.host, _loss_registry()
+        self._loss_signature = inspect.signature(registry[_CAUSAL_LM_LOSS_TYPE])  # to bind the host's arguments
+        self.handles = [
+            host.register_forward_pre_hook(self.before_forward, with_kwargs=True),
+            host.register_forward_hook(self.after_forward, with_kwargs=True, always_call=True),
+        ]
+        host.loss_function = self.loss_function
+        if registry.get(self.saved_loss_type) is not registry[_CAUSAL_LM_LOSS_TYPE]:
+            host.loss_type = _CAUSAL_LM_LOSS_TYPE
+        self.head.binding = self
+
+    def remove(self) -> None:
+        """Remove the hooks and give the host back its loss function and loss type."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        host = self.host
+        if host.loss_function == self.loss_function:  # not replaced since
+            if self.had_loss_function:
+                host.loss_function = self.saved_loss_function
+            else:
+                _own_loss_function(host, remove=True)
+        if getattr(host, "loss_type", None) == _CAUSAL_LM_LOSS_TYPE:
+            host.loss_type = self.saved_loss_type
+        self.reset()
+        self.head.binding = None
+
+    def reset(self) -> None:
+        """End the current call: full logits again, nothing kept."""
+        self._capturing, self._exact, self._hidden, self._fused = False, False, None, None
+
+    def capture(self, hidden: torch.Tensor) -> bool:
+        """Called by the head's forward with its (B, S, D) input: True where this call keeps it (the head
+        then returns a (B, S, 0) placeholder), False for full logits."""
+        if self._capturing:
+            self._hidden = hidden
+        return self._capturing
+
+    # ------------------------------------------------------------------ the hooks
+    def before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        head = self.head
+        labels = kwargs.get("labels")
+        if labels is None and self.labels_position is not None and len(args) > self.labels_position:
+            labels = args[self.labels_position]
+        fused = bool(kwargs.get("fused_lm_head"))
+        only_shifted = labels is None and fused and kwargs.get("shift_labels") is not None
+        if only_shifted:
+            # TRL under context parallelism passes pre-shifted labels only; the model computes a loss
+            # only when it gets labels, and the loss then uses shift_labels (ForCausalLMLoss semantics).
+            labels = kwargs["shift_labels"]
+        self.reset()
+        if labels is None and head.training and torch.is_grad_enabled() and not self._warned_full_training:
+            self._warned_full_training = True
+            warnings.warn(
+                "MidxLMHead computed full logits in training mode with gradients: the model was called without "
+                "labels, so whatever loss the caller builds from these logits trains the full softmax, not the "
+                "sampled one (e.g. label smoothing or a compute_loss_func). Pass labels to the model to train "
+                "with MIDX.",
+                stacklevel=2,
+            )
+        if labels is None or not (head.exact_only or head.training):
+            return None
+        self._capturing, self._exact = True, head.exact_only
+        if self._exact:
+            return None
+        if "num_items_in_batch" in kwargs and not head.step_data.scheduled and not self._warned_unscheduled:
+            self._warned_unscheduled = True
+            warnings.warn(
+                "hf_midx: a Trainer is training a model wrapped by hf_midx.wrap without MidxCallback, so the index "
+                "is never refreshed (the sampler keeps the initial weights' proposal), no midx/ diagnostics are "
+                "logged and checkpoints hold no sampler state (a resumed run draws other negatives). Fix: "
+                "MidxCallback.install(trainer) before trainer.train(), or train with hf_midx.MidxTrainer.",
+                UserWarning,
+                stacklevel=2,
+            )
+        if fused:
+            # TRL asks for its fused output; its fused forward would compute the exact softmax and never
+            # call this head. Run the model's own forward (the sampled loss) and convert the output after.
+            self._fused = {}
+            kwargs = {k: v for k, v in kwargs.items() if k != "fused_lm_head"}
+            if only_shifted:
+                kwargs["labels"] = labels
+            return args, kwargs
+        return None
+
+    def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        fused = self._fused
+        self.reset()
+        if fused is None or output is None:
+            return None
+        if "per_token" not in fused:
+            raise RuntimeError(
+                "MidxLMHead: a fused_lm_head=True training call did not reach the sampled loss (the model's loss "
+                "was not computed through its loss_function); refusing to return exact log-probabilities."
+            )
+        per_token, mask = fused["per_token"], fused["mask"]
+        log_probs = -per_token
+        if fused["shifted_here"]:  # TRL's shape: (B, S - 1) when it shifts the labels itself
+            log_probs, mask = log_probs[..., :-1], mask[..., :-1]
+        unavailable = torch.full_like(log_probs, float("nan"))
+        return MidxFusedOutput(
+            loss=output.loss,
+            log_probs=log_probs,
+            entropy=unavailable,
+            is_top1=unavailable,
+            label_mask=mask,
+            aux_loss=getattr(output, "aux_loss", None),
+        )
+
+    def loss_function(self, *args, **kwargs) -> torch.Tensor:
+        """Installed as the host's ``loss_function``; same call contract as ``ForCausalLMLoss``."""
+        head, hidden, self._hidden = self.head, self._hidden, None
+        if hidden is None:
+            if head.training and not self._warned_unhooked:
+                self._warned_unhooked = True
+                warnings.warn(
+                    "MidxLMHead: the loss was computed from full logits in training mode: the model's forward "
+                    "pre-hook did not see labels (labels passed in an unexpected way, or forward called directly "
+                    "instead of model(...)), or the LM head was replaced after wrapping (e.g. by "
+                    "resize_token_embeddings: unwrap first, resize, then wrap again).",
+                    stacklevel=2,
+                )
+            return self.saved_loss_function(*args, **kwargs)
+        bound = self._loss_signature.bind(*args, **kwargs).arguments
+        ignore_index, num_items = bound.get("ignore_index", -100), bound.get("num_items_in_batch")
+        # The label of position t is the token at t + 1 (ForCausalLMLoss semantics), unless given shifted.
+        labels, shifted_here = bound.get("shift_labels"), bound.get("shift_labels") is None
+        if shifted_here:
+            labels = F.pad(bound["labels"], (0, 1), value=ignore_index)[..., 1:]
+        if labels.numel() != hidden.numel() // hidden.shape[-1]:
+            raise ValueError(
+                f"The head saw {hidden.numel() // hidden.shape[-1]} hidden states but the labels give "
+                f"{labels.numel()} targets; with labels, call the model with logits_to_keep=0 (all positions) "
+                "or pass matching shift_labels."
+            )
+        if self._fused is None:
+            return head.loss(hidden, labels, num_items_in_batch=num_items, ignore_index=ignore_index, exact=self._exact)
+        per_token = head.loss(hidden, labels, ignore_index=ignore_index, reduction="none")
+        mask = (labels != ignore_index).to(per_token.device)
+        per_token = per_token.reshape(mask.shape)
+        self._fused.update(per_token=per_token, mask=mask, shifted_here=shifted_here)
+        count = mask.sum().clamp_min(1) if num_items is None else num_items
+        return per_token.sum() / (count.to(per_token.device) if torch.is_tensor(count) else count)
+
+
+def uses_causal_lm_loss(host: nn.Module) -> bool:
+    """True where ``host`` computes its loss with transformers' ``ForCausalLMLoss`` (through its ``loss_type``)
+    or with a loss function set on the instance (kept for eval mode; the binding replaces it in training)."""
+    return _own_loss_function(host) is not None or host.loss_function is _loss_registry()[_CAUSAL_LM_LOSS_TYPE]
+
+
+__all__ = ["HostBinding", "MidxFusedOutput", "uses_causal_lm_loss"]

@@ -1,0 +1,299 @@
+"""MidxCallback: the MIDX schedule for any transformers ``Trainer`` (plain, TRL's SFTTrainer, MidxTrainer).
+
+Install it on a Trainer whose model was wrapped with :func:`hf_midx.wrap`: ``MidxCallback.install(trainer)``
+(MidxTrainer does this itself). It decides *when*; the work is in the modules it calls. It rebuilds the index
+every ``refresh_every_steps`` optimizer steps and/or at each epoch start (:mod:`hf_midx.integration.distributed`: gathered,
+rebuilt on rank 0, broadcast); trains learned codebooks every step (:mod:`hf_midx.integration.learned_codebooks`); adds to
+each log entry with ``loss`` the proposal diagnostics (``midx/kl``...) and ``midx/train_loss_exact``, the exact
+loss of the last micro-batch (the Trainer's ``loss`` is the *sampled* objective), averaged over processes;
+writes the sampler state into every checkpoint and restores it on resume (:mod:`hf_midx.integration.checkpoint`), so a
+resumed run repeats an uninterrupted one bit for bit; stops on NaN/Inf with :class:`MidxNonFiniteError`,
+naming the step and the tensor (:mod:`hf_midx.integration.nonfinite`). With :meth:`install`, ``trainer.save_model`` also
+writes ``midx_config.json`` and the MIDX card, and ``create_model_card`` (``push_to_hub``) that card, whatever
+the Trainer class; ``callbacks=[MidxCallback()]`` writes the checkpoint state only.
+
+No host sync per micro-batch: the head records its per-call data on the device, read at logging, evaluation,
+save and refresh steps, where the Trainer syncs anyway. :meth:`install` places the callback right after the
+flow callback, so that the reporting integrations see the ``midx/`` keys. Every rank runs the callback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import DefaultFlowCallback
+
+from .checkpoint import explain_tied_weights, load_head_state, read_head_state, save_head_state
+from .distributed import (broadcast_sampler, full_head_weight, local_device, mean_over_ranks, refresh_head,
+                          refuse_data_parallel, sampler_device)  # fmt: skip
+from .head import MidxLMHead, find_head
+from .learned_codebooks import CodebookTraining
+from .model_card import write_model_card
+from .nonfinite import ADVICE, MidxNonFiniteError, NonFiniteCheck
+from ..registry import SAMPLERS  # any hf_midx import runs hf_midx/__init__, which registers the samplers
+from .state import find_resume_folder, has_state
+
+
+def refresh_index(model, *, codebooks: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
+    """Rebuild a wrapped model's index from its head weight (gathered when sharded, rebuilt on rank 0, broadcast);
+    returns the seconds it took. Collective. ``codebooks``: learned (K, D1), (K, D2) codebooks to adopt instead
+    of k-means. Raises ValueError (no MIDX head) or MidxNonFiniteError (NaN/Inf in the head weight)."""
+    head = find_head(model)
+    if head is None:
+        raise ValueError("refresh_index needs a model whose LM head was wrapped with hf_midx.wrap(model, ...).")
+    seconds = refresh_head(head, codebooks)
+    if seconds is None:
+        raise MidxNonFiniteError(
+            f"The LM head weight holds NaN/Inf (found during the index refresh); the index was not rebuilt. To go on, "
+            f"{ADVICE}"
+        )
+    return seconds
+
+
+class MidxCallback(TrainerCallback):
+    """The MIDX schedule (refresh, learned codebooks, logging, checkpoints, NaN checks) as a ``TrainerCallback``.
+
+    The options come from the head's :class:`~hf_midx.MidxConfig`. Put it on a Trainer with :meth:`install`.
+
+    Args:
+        resume_from_checkpoint: the folder ``trainer.train(resume_from_checkpoint=...)`` loads (read once; MidxTrainer
+            sets it); else ``args.resume_from_checkpoint``, else ``<output_dir>/checkpoint-<step>``.
+    Attributes:
+        head: the wrapped head being trained (found at train start).
+        codebooks: the :class:`~hf_midx.integration.learned_codebooks.CodebookTraining` (``codebooks="learned"``), or None.
+        last_refresh_step: the optimizer step of the last refresh (-1: none since training started).
+        installed: True when :meth:`install` placed it.
+    """
+
+    def __init__(self, resume_from_checkpoint: str | os.PathLike | None = None) -> None:
+        if resume_from_checkpoint is not None and not isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            raise ValueError(
+                f"resume_from_checkpoint must be a checkpoint folder path, got {type(resume_from_checkpoint).__name__}."
+            )
+        self.head: MidxLMHead | None = None
+        self.codebooks: CodebookTraining | None = None
+        self.last_refresh_step = -1
+        self.resume_from_checkpoint = None if resume_from_checkpoint is None else os.fspath(resume_from_checkpoint)
+        self.installed = False
+        self._pending: dict[str, torch.Tensor | float] = {}
+        self._nonfinite = NonFiniteCheck()
+        self._saved_folder: str | None = None
+
+    @classmethod
+    def install(cls, trainer, *, resume_from_checkpoint: str | os.PathLike | None = None) -> "MidxCallback":
+        """Put a MidxCallback on ``trainer`` right after its flow callback (ahead of the reporting integrations)
+        and return it; the one the trainer already has is moved rather than doubled. Also makes this trainer's
+        ``save_model`` write ``midx_config.json`` and the MIDX card, and its ``create_model_card`` write that card
+        (the instance's methods are wrapped; the class is untouched). Call it before ``trainer.train()``.
+        ValueError when this process sees several GPUs without a distributed launch (``args.n_gpu > 1``).
+        """
+        refuse_data_parallel(trainer.args)
+        handler = trainer.callback_handler
+        callback = next((cb for cb in handler.callbacks if isinstance(cb, cls)), None) or cls()
+        if resume_from_checkpoint is not None:
+            callback.resume_from_checkpoint = os.fspath(resume_from_checkpoint)
+        flow = next((i for i, cb in enumerate(handler.callbacks) if isinstance(cb, DefaultFlowCallback)), -1)
+        later = [cb for cb in handler.callbacks[flow + 1 :] if cb is not callback]
+        for cb in [callback, *later]:
+            handler.pop_callback(cb)
+        for cb in [callback, *later]:
+            handler.add_callback(cb)
+        if not getattr(trainer.save_model, "midx_wrapped", False):
+            callback._wrap_saving(trainer)
+        callback.installed = True
+        return callback
+
+    # ------------------------------------------------------------------ events
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        head = find_head(model)
+        if head is None:
+            raise ValueError(
+                "MidxCallback needs a model whose LM head is a MidxLMHead: call hf_midx.wrap(model, ...) before "
+                "creating the Trainer (for model_init, wrap the model inside it)."
+            )
+        refuse_data_parallel(args)
+        if args.label_smoothing_factor:
+            raise ValueError(
+                "MIDX training cannot use label_smoothing_factor: the Trainer's label smoother needs the full logits, "
+                "so it would train the full softmax. Set label_smoothing_factor=0."
+            )
+        self.head, config = head, head.config
+        if state.global_step == 0 and SAMPLERS[config.sampler].query_dependent and not config.refresh_every_steps \
+                and state.num_train_epochs <= 1:  # fmt: skip
+            # Epoch-start refreshes never fire in a run of one epoch or less: the index would stay the initial one.
+            warnings.warn(
+                f"MidxCallback: this run is {state.max_steps} steps, at most one epoch, and the {config.sampler} "
+                "index is only rebuilt at epoch starts, so it would keep the initial weights' index for the whole "
+                "run. Set MidxConfig(refresh_every_steps=N) (e.g. 100).",
+                stacklevel=2,
+            )
+        report_to = [args.report_to] if isinstance(args.report_to, str) else args.report_to or []
+        reporters = [r for r in report_to if r != "none"]
+        if reporters and not self.installed:
+            warnings.warn(
+                f"MidxCallback was not placed with MidxCallback.install(trainer), so the reporting integrations "
+                f"{reporters} may run before it and miss the midx/ keys it adds to each log entry (log_history "
+                "has them). Call MidxCallback.install(trainer) instead of passing callbacks=[MidxCallback()].",
+                stacklevel=2,
+            )
+        self._pending, self._saved_folder = {}, None
+        head.step_data.clear(local_device(head.weight))  # where the model now trains
+        head.step_data.scheduled = True  # the host binding's "no MidxCallback" warning stays quiet
+        self._nonfinite.start(state.global_step, state.epoch)
+        if sampler_device(head) != local_device(head.weight):
+            refresh_head(head)  # the model moved (e.g. to the GPU): rebuild the sampler where the weight lives
+        seed = config.seed + args.process_index  # all ranks share rank 0's index; each draws its own negatives
+        if state.global_step == 0:
+            broadcast_sampler(head, seed=seed)
+        self.last_refresh_step = -1
+        self.codebooks = CodebookTraining(head.sampler_state(), config) if config.codebooks == "learned" else None
+        if state.global_step > 0:
+            candidates = [self.resume_from_checkpoint, getattr(args, "resume_from_checkpoint", None),
+                          os.path.join(args.output_dir, f"checkpoint-{state.global_step}")]  # fmt: skip
+            folder = find_resume_folder(candidates, state.global_step)
+            saved = read_head_state(folder, head, rank=args.process_index, world_size=args.world_size,
+                                    check_extra=None if self.codebooks is None else self.codebooks.check_saved)
+            load_head_state(saved, head, self.codebooks, seed=seed)
+            self.last_refresh_step = saved.last_refresh_step
+            explain_tied_weights(model, head)
+        self.resume_from_checkpoint = None
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.head is not None:  # the host binding warns again of a training call without a schedule
+            self.head.step_data.scheduled = False
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        # A new epoch after a finished one: the Trainer sets epoch = e + 1.0 exactly at the end of epoch e
+        # (a run resumed in the middle of an epoch starts with a fractional epoch and does not refresh).
+        if (self.head is not None and self.head.config.refresh_every_epoch and state.global_step > 0
+                and state.epoch is not None and float(state.epoch).is_integer()
+                and state.global_step != self.last_refresh_step):  # fmt: skip
+            self.refresh(state)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        head = self.head
+        if head is None:
+            return
+        self._nonfinite.mark(head.step_data, state.global_step, state.epoch)
+        every = head.config.refresh_every_steps
+        refresh = bool(every) and state.global_step % every == 0
+        if refresh or control.should_log or control.should_save or control.should_evaluate \
+                or control.should_training_stop or state.global_step >= state.max_steps:  # fmt: skip
+            self.check_finite(state)
+        if self.codebooks is not None and head.step_data.queries is not None:
+            self._codebook_step(state)
+        if refresh:
+            self.refresh(state)
+        if control.should_log:
+            self._measure()
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self.head is not None and control.should_log:  # logging_strategy="epoch"
+            self.check_finite(state)
+            self._measure()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self._pending or logs is None or not ("loss" in logs or "train_runtime" in logs):
+            return
+        values = {k: float(v) for k, v in self._pending.items()}
+        self._pending = {}
+        logs.update(values)
+        # The Trainer appended a copy of this entry to log_history before calling the callbacks.
+        entry = state.log_history[-1] if state.log_history else None
+        if entry is not None and entry.get("step") == state.global_step and entry.get("loss") == logs.get("loss"):
+            entry.update(values)
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if self.head is not None and not (self._saved_folder == os.path.abspath(folder) and has_state(folder)):
+            self.save(folder, args)  # unless written before the Trainer's files (install's save_model)
+
+    # ------------------------------------------------------------------ actions
+    def refresh(self, state=None) -> float:
+        """Rebuild the index now (collective; k-means, or the learned codebooks' hard codes); returns and logs
+        the seconds it took."""
+        seconds = refresh_head(self.head, None if self.codebooks is None else self.codebooks.codebooks())
+        if seconds is None:
+            where = "" if state is None else f" after training step {state.global_step}"
+            raise MidxNonFiniteError(
+                f"MIDX training hit NaN/Inf{where}, in the LM head weight (found during the index refresh); the index "
+                f"was not rebuilt. To go on, {ADVICE}"
+            )
+        if self.codebooks is not None:
+            self.codebooks.broadcast()
+        if state is not None:
+            self.last_refresh_step = state.global_step
+        self._pending["midx/refresh_seconds"] = seconds
+        return seconds
+
+    def save(self, folder: str, args) -> None:
+        """Write the MIDX state of this rank into ``folder`` (every rank calls it)."""
+        save_head_state(folder, self.head, self.codebooks, last_refresh_step=self.last_refresh_step, args=args)
+        self._saved_folder = os.path.abspath(folder)
+
+    def check_finite(self, state) -> None:
+        """:class:`MidxNonFiniteError` naming the step and tensor if NaN/Inf came since the last check (one sync)."""
+        self._nonfinite.check(self.head, state)
+
+    # ------------------------------------------------------------------ internals
+    def _codebook_step(self, state) -> None:
+        """One Adam step of the learned codebooks on the head weight and the step's hidden states."""
+        head = self.head
+        try:
+            with full_head_weight(head) as (weight, _):
+                out = self.codebooks.step(weight, head.step_data.queries * head.logit_scale)
+        except ValueError:
+            self.check_finite(state)  # NaN in the weight or the queries: say where it came from
+            raise
+        self._pending["midx/codebook_loss"], self._pending["midx/codebook_kl"] = out["loss"], out["kl"]
+
+    def _measure(self) -> None:
+        """The proposal diagnostics and the exact loss of the last micro-batch, for the next log entry."""
+        head = self.head
+        if head.step_data.queries is None:
+            return
+        with full_head_weight(head) as (weight, bias):
+            if head.config.log_kl:
+                # KL(Q||P) stays "midx/kl"; what predicts training quality is the missed mass of P:
+                # KL(P||Q), the effective sample size, P's mass where p/q > 10 (hf_midx.integration.diagnostics).
+                for key, value in head.proposal_diagnostics(head.step_data.queries, weight, bias).items():
+                    if key != "head_mass" or head.exact_ids is not None:
+                        self._pending["midx/kl" if key == "kl_qp" else f"midx/{key}"] = mean_over_ranks(value)
+            self._pending["midx/train_loss_exact"] = mean_over_ranks(head.last_batch_exact_loss(weight, bias))
+
+    def _wrap_saving(self, trainer) -> None:
+        """This trainer's ``save_model`` also writes ``midx_config.json`` and (called by the user) the MIDX card,
+        and into this step's checkpoint folder the MIDX state first; its ``create_model_card`` writes the card."""
+        save_model, create_model_card = trainer.save_model, trainer.create_model_card
+
+        @functools.wraps(save_model)
+        def save_model_with_midx(output_dir: str | None = None, _internal_call: bool = False) -> None:
+            output_dir = os.fspath(trainer.args.output_dir if output_dir is None else output_dir)
+            head = self.head or find_head(trainer.model)
+            checkpoint = f"checkpoint-{trainer.state.global_step}"
+            if self.head is not None and os.path.basename(os.path.normpath(output_dir)) == checkpoint:
+                self.save(output_dir, trainer.args)  # before the Trainer's files, so that a pushed checkpoint has it
+            save_model(output_dir, _internal_call=_internal_call)
+            if head is not None and trainer.args.should_save:
+                head.config.save_pretrained(output_dir)
+                if not _internal_call:
+                    write_model_card(trainer, output_dir, head.config, num_classes=head.num_classes)
+
+        @functools.wraps(create_model_card)
+        def create_midx_model_card(**card_args) -> None:
+            head = self.head or find_head(trainer.model)
+            if head is None:
+                return create_model_card(**card_args)
+            if trainer.is_world_process_zero():
+                output_dir = trainer.args.output_dir
+                write_model_card(trainer, output_dir, head.config, num_classes=head.num_classes, **card_args)
+
+        save_model_with_midx.midx_wrapped = True
+        trainer.save_model, trainer.create_model_card = save_model_with_midx, create_midx_model_card
+
+
+__all__ = ["MidxCallback", "MidxNonFiniteError", "refresh_index"]

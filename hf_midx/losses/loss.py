@@ -1,0 +1,445 @@
+"""Sampled-softmax loss with proposal correction, and the exact full-softmax reference.
+
+Shapes: T tokens, D hidden dims, V classes, M negatives per token (per-query mode) or P negatives in
+one pool (shared mode), H classes scored exactly for every token (``exact_ids``).
+
+For token t with label y, negatives j ~ Q(. | z_t) over the classes outside H, and n candidates:
+
+    exact-positive:      loss_t = -o_y + log( sum_{i in H} e^o_i + [y not in H] e^o_y + sum_j e^(o_j - log(n q_j)) )
+    corrected-positive:  the positive, when it is not in H, is one more candidate: o_y - log(n q_y) replaces
+                         o_y in both places and n = M + 1 (Jean et al. 2015; TensorFlow's sampled_softmax_loss)
+
+With H empty the first form is the paper's estimator (the sum estimates the partition function
+without bias, the positive exact); the second is invariant to n and to the normalization of Q.
+
+Accidental hits (a negative equal to the label) are dropped from the first form's sum and kept in the
+second, a self-normalized importance-sampling estimate of Z in which a draw of the label is an ordinary
+term: dropping it biases Z low by about the label's share of Q (trained to convergence without an exact
+head at V = 2,000, MIDX ended 6.1% above the full softmax with the hits dropped, 0.5% with them kept).
+With H the n-scaled tail estimate adds to the exact head mass, so the proposal only estimates the tail's
+share of Z. No path builds a (T, V) tensor or reads back to the host: ignored tokens are masked.
+With ``tail_gradient="expected"`` the draws' share of the gradient is also spread over every tail class
+by its expectation under Q (:mod:`hf_midx.losses.tail_gradient`), which leaves value and mean alone.
+
+The value and the gradient. The gradient of :func:`sampled_softmax_loss` is always the estimator's above.
+Its value, by default (``exact_value=True``), is instead an estimate of the exact cross-entropy from the
+same logits: the partition function Z estimated without bias,
+
+    value_t = -o_y + log( sum_{i in H} e^o_i + [y not in H] e^o_y + sum_{j != y} e^(o_j - log(M q_j)) )
+
+(M draws, accidental hits dropped), returned as ``objective + (value - objective).detach()``. So a logged
+loss reads like the full softmax's (the corrected-positive objective itself sits well below it, since its
+positive is one more candidate), comparable line by line with a full-softmax run; what is optimized does
+not change by a bit. With "exact-positive" and the hits dropped, the two are the same number.
+
+Two implementations compute the per-query loss from the draws: the eager PyTorch code below (the
+reference and the CPU path) and the fused Triton kernels of :mod:`hf_midx.losses.kernels` (``kernels="fused"``,
+or "auto" on CUDA, as ``MidxConfig`` has it), which take the very same draws, so that both give one loss
+within float rounding. Shared negatives always run eager.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .. import defaults
+from .._checks import check_ids, check_matrix, check_positive_int
+from .._ops import soft_cap
+from .candidate_logits import candidate_logits, sampled_softmax_terms
+from ..defaults import ESTIMATORS, KERNEL_MODES, NEGATIVE_MODES  # noqa: F401 (the label's logit; the negatives)
+from .tail_gradient import asks_closed_form, check_closed_form, expected_share
+
+REDUCTIONS = ("mean", "sum", "none")
+
+def _validate(hidden, weight, labels, bias, ignore_index, reduction, check_labels):
+    """Shapes and types (no device sync); the label values too when ``check_labels`` (one sync)."""
+    check_matrix("hidden", hidden, finite=False)
+    check_matrix("weight", weight, dim=hidden.shape[1], finite=False)
+    if labels.dim() != 1 or labels.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"labels must have shape (T,) = ({hidden.shape[0]},) to match hidden {tuple(hidden.shape)}, "
+            f"got {tuple(labels.shape)}; flatten (batch, seq) first."
+        )
+    if check_labels:
+        check_ids("labels", labels, weight.shape[0], ignore_index=ignore_index)
+    elif not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be an integer tensor, got {getattr(labels, 'dtype', type(labels).__name__)}.")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}.")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}.")
+
+
+def _labels_in_range(labels: torch.Tensor, num_classes: int) -> None:
+    """A device-side assertion on (T,) labels (ignored ones already replaced by a class): fails the step (at the
+    next sync) instead of reading labels back now."""
+    ok = (labels.clamp(0, num_classes - 1) == labels).all()
+    torch._assert_async(ok, f"labels outside [0, {num_classes}) reached the MIDX loss")
+
+
+def _reduce(per_token: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    """per_token: (T,) float32, already 0 at ignored tokens; valid: (T,) bool."""
+    if reduction == "none":
+        return per_token
+    total = per_token.sum()
+    if reduction == "sum":
+        return total
+    # An all-ignored batch gives 0 (with a zero gradient) rather than 0/0; the count stays on the device.
+    return total / valid.sum(dtype=torch.float32).clamp_min(1)
+
+
+def drops_accidental_hits(remove_accidental_hits: bool | None, estimator: str) -> bool:
+    """Whether the loss drops a negative equal to the label: the setting, or for None the estimator's
+    unbiased choice (True for "exact-positive", False for "corrected-positive"; see the module docstring)."""
+    return estimator == "exact-positive" if remove_accidental_hits is None else remove_accidental_hits
+
+
+def sampled_softmax_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    sampler,
+    num_samples: int,
+    *,
+    bias: torch.Tensor | None = None,
+    negatives: str = defaults.NEGATIVES,
+    ignore_index: int = -100,
+    remove_accidental_hits: bool | None = None,
+    reduction: str = "mean",
+    logit_softcap: float | None = None,
+    generator: torch.Generator | None = None,
+    estimator: str = defaults.ESTIMATOR,
+    exact_ids: torch.Tensor | None = None,
+    check_labels: bool = True,
+    exact_value: bool = True,
+    tail_gradient: str = defaults.TAIL_GRADIENT,
+    kernels: str = "eager",
+) -> torch.Tensor:
+    """Sampled-softmax cross-entropy corrected by the proposal (an estimator of the full loss).
+
+    Args:
+        hidden: (T, D) final hidden states z_t (any float dtype; autograd flows to it).
+        weight: (V, D) class embeddings / LM head weight (autograd flows to the rows touched).
+        labels: (T,) int64 (or int32) in [0, V), or ``ignore_index``.
+        sampler: the proposal, a :class:`hf_midx.Sampler` (see :func:`hf_midx.build_sampler`), of which the
+            loss calls the hot path only (``draw``, ``draw_scored``, ``draw_shared``, ``draw_shared_scored``,
+            ``num_classes``, ``excluded``), so it imports no sampler module; queried with ``hidden``
+            detached, for every token (ignored ones too: masking instead of compaction keeps shapes static).
+        num_samples: M negatives per token ("per-query") or the pool size P ("shared").
+        bias: optional (V,) output bias.
+        negatives: "per-query" (each token its own M draws from Q(. | z_t), the paper) or "shared"
+            (one pool of P draws from the mixture qbar of the non-ignored tokens' proposals, scored
+            by every token in one matmul; corrected by log(P * qbar)).
+        ignore_index: label value that contributes nothing.
+        remove_accidental_hits: drop a negative equal to the token's label from the sum. None (the
+            default): :func:`drops_accidental_hits` of the estimator (dropped with "exact-positive",
+            kept with "corrected-positive"; see the module docstring).
+        reduction: "mean" over non-ignored tokens, "sum", or "none" ((T,), zeros at ignored tokens).
+        logit_softcap: if set, logits become ``cap * tanh(o / cap)`` (Gemma-2) before correction.
+        generator: optional RNG for the draws; defaults to the sampler's own.
+        estimator: "corrected-positive" (the default, as ``MidxConfig``'s: a label outside ``exact_ids``
+            is one more candidate, corrected by its own log q) or "exact-positive" (the label's logit
+            enters as is, the paper); see the module docstring.
+        exact_ids: optional (H,) int64 class ids scored exactly for every token (one (T, H) matmul);
+            they must be the classes the sampler never draws (build it with ``exclude=exact_ids``;
+            ``sampler.excluded`` is the sorted set), else ValueError. None (the default)
+            scores no class exactly: choosing the H most frequent classes needs class counts, which
+            this function does not see. ``MidxConfig().exact_head`` (2,048) is the head that
+            ``MidxLMHead`` builds from ``class_counts``; build the sampler with ``exclude=`` those ids.
+        check_labels: range-check the labels with a ValueError, which reads them on the host (one
+            device sync). With False a device-side assertion checks them instead (the training path);
+            under ``torch.compile`` the device-side assertion is used either way, so that a compiled
+            loss has no graph break.
+        exact_value: return as the value an estimate of the exact cross-entropy (the default), with the
+            gradient of the sampled objective; False returns the objective itself (see the module docstring).
+        tail_gradient: "expected": every tail class gets its expected gradient under the proposal plus the
+            draws' deviation from it (:mod:`hf_midx.losses.tail_gradient`: same value, unbiased; per-query negatives,
+            MIDX/unigram/uniform proposals, no soft-cap, hits kept); "sampled": only the drawn classes; "auto"
+            (default): "expected" where it applies, else "sampled".
+        kernels: how the loss is computed from the draws. "eager" (the default here): plain PyTorch, the
+            reference. "fused": per-query negatives through :func:`hf_midx.losses.kernels.candidate_loss`'s Triton
+            kernels, on the same draws (CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``; ValueError
+            where they cannot run, before anything is drawn; they accumulate in float32). "auto": fused
+            where they can run (CUDA tensors, Triton importable, per-query negatives, a float32, bfloat16
+            or float16 weight), else eager: ``MidxConfig``'s default, which the head passes; a direct call
+            keeps the reference unless asked, so that a test or benchmark on a GPU measures what it names.
+    Returns:
+        float32 scalar (or (T,) for "none").
+    """
+    if check_labels and torch.compiler.is_compiling():
+        check_labels = False  # a host read would break the graph: the asynchronous check runs instead
+    _validate(hidden, weight, labels, bias, ignore_index, reduction, check_labels)
+    check_positive_int("num_samples", num_samples)
+    if negatives not in NEGATIVE_MODES:
+        raise ValueError(f"negatives must be one of {NEGATIVE_MODES}, got {negatives!r}.")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}.")
+    if remove_accidental_hits is not None and not isinstance(remove_accidental_hits, bool):
+        raise ValueError(
+            "remove_accidental_hits must be True, False or None (the estimator's choice), "
+            f"got {remove_accidental_hits!r}."
+        )
+    if tail_gradient not in defaults.TAIL_GRADIENTS:
+        raise ValueError(f"tail_gradient must be one of {defaults.TAIL_GRADIENTS}, got {tail_gradient!r}.")
+    if not isinstance(exact_value, bool):
+        raise ValueError(f"exact_value must be True or False, got {exact_value!r}.")
+    if kernels not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}.")
+    if sampler.num_classes != weight.shape[0]:
+        raise ValueError(
+            f"The sampler indexes {sampler.num_classes} classes but weight has {weight.shape[0]} rows; "
+            "refresh or rebuild the sampler for this head."
+        )
+    if exact_ids is not None and (
+        not isinstance(exact_ids, torch.Tensor) or exact_ids.dim() != 1 or exact_ids.is_floating_point()
+    ):
+        raise ValueError("exact_ids must be a 1-D integer tensor of class ids (H,), or None.")
+    if exact_ids is not None and check_labels:
+        check_ids("exact_ids", exact_ids, weight.shape[0])
+    excluded = sampler.excluded  # (H,) sorted, or None
+    num_exact = 0 if exact_ids is None else exact_ids.numel()
+    if num_exact != (0 if excluded is None else excluded.numel()) or (
+        num_exact and check_labels and not torch.equal(torch.sort(exact_ids.to(excluded.device).long()).values, excluded)
+    ):
+        # A head the sampler may draw is counted twice; classes it excludes but the loss does not score are lost.
+        raise ValueError(
+            f"exact_ids ({num_exact} ids) must be the classes the sampler excludes "
+            f"({0 if excluded is None else excluded.numel()}), each once: build the sampler with exclude=exact_ids "
+            "and pass exact_ids=sampler.excluded."
+        )
+    if hidden.dtype != weight.dtype:
+        # e.g. fp32 hidden states from a norm layer against a bf16 head: one dtype for the matmuls.
+        hidden = hidden.to(weight.dtype)
+    device = hidden.device
+    fused = _runs_fused(kernels, negatives, hidden)  # before the draws: a refused "fused" draws nothing
+    valid = labels != ignore_index
+    # Ignored tokens get label 0: they are scored like any token, then masked out of the reduction.
+    y = (labels * valid).long()
+    if not check_labels:
+        _labels_in_range(y, weight.shape[0])
+    queries = hidden.detach().float()
+    common = (
+        torch.empty(0, dtype=torch.long, device=device)
+        if not num_exact
+        else exact_ids.to(device=device, dtype=torch.long)
+    )
+    # One evaluation of the proposal gives the draws and, for the corrected positive, the label's log q.
+    corrected = estimator == "corrected-positive"
+    drops = drops_accidental_hits(remove_accidental_hits, estimator)
+    factors = None  # the proposal's closed form for the expected tail gradient; None: the sampled one
+    expected = asks_closed_form(tail_gradient, negatives, drops, logit_softcap)
+    if negatives == "per-query":
+        if expected:
+            scored = y.unsqueeze(1) if corrected else None
+            drawn = sampler.draw_with_factors(queries, num_samples, scored, generator=generator)
+            ids, log_q, log_q_pos, factors = drawn
+            check_closed_form(factors, tail_gradient, sampler)
+            log_q_pos = None if log_q_pos is None else log_q_pos.squeeze(1)
+        elif corrected:
+            ids, log_q, log_q_pos = sampler.draw_scored(queries, num_samples, y.unsqueeze(1), generator=generator)
+            log_q_pos = log_q_pos.squeeze(1)
+        else:
+            ids, log_q = sampler.draw(queries, num_samples, generator=generator)  # (T, M)
+            log_q_pos = None
+        if fused:
+            from .kernels import candidate_loss  # lazily: the kernels' module imports Triton when they run
+
+            # The same draws, estimator and head: the kernels take the sorted head (excluded equals exact_ids'
+            # set, checked above) and mask the ignored tokens themselves; the labels were range-checked above.
+            # With the factors the kernels also return the weight's bucket table, whose gradient their own
+            # weight-gradient kernel spreads: the weight's gradient is written once.
+            out = candidate_loss(
+                hidden, weight, labels, ids, log_q, log_q_pos, bias=bias,
+                head_ids=excluded.to(device) if num_exact else None, ignore_index=ignore_index,
+                logit_softcap=logit_softcap, corrected_positive=corrected, remove_accidental_hits=drops,
+                exact_value=exact_value, reduction=reduction, backend="fused", tail_control=factors is not None,
+                factors=factors,
+            )
+            # The kernels gave each draw's share back (out[1]); the expected part is added here.
+            if factors is None:
+                return out
+            share = out[1] / valid.sum().clamp_min(1) if reduction == "mean" else out[1]  # per token of the mean
+            return expected_share(out[0], share, factors, hidden, weight, bias, table=out[2])
+        rows = torch.cat([y.unsqueeze(1), ids], dim=1)  # (T, 1 + M)
+        hits = ids == y.unsqueeze(1)
+    else:
+        if corrected:
+            pool, log_qbar, log_q_pos = sampler.draw_shared_scored(
+                queries, num_samples, y, row_weights=valid.float(), generator=generator
+            )
+        else:
+            pool, log_qbar = sampler.draw_shared(queries, num_samples, row_weights=valid.float(), generator=generator)
+            log_q_pos = None
+        rows = y.unsqueeze(1)
+        common = torch.cat([common, pool])
+        log_q = log_qbar.unsqueeze(0)  # (1, P)
+        hits = pool.unsqueeze(0) == y.unsqueeze(1)
+    # With the expected tail gradient the weight's bucket table comes with the logits: its gradient is then
+    # written into the candidates' own (V, D) weight gradient, no second one.
+    tok_logits, common_logits, *table = candidate_logits(hidden, weight, rows, common, factors)
+    if bias is not None:
+        tok_logits = tok_logits + bias[rows].float()
+        common_logits = common_logits + bias[common].float()
+    tok_logits = soft_cap(tok_logits, logit_softcap)
+    common_logits = soft_cap(common_logits, logit_softcap)
+    head = common_logits[:, :num_exact] if negatives == "shared" else common_logits  # (T, H)
+    cand = tok_logits if negatives == "per-query" else torch.cat([tok_logits, common_logits[:, num_exact:]], dim=1)
+
+    # A label inside the exact head is already one of the head's terms. With the label's log q at hand, a label
+    # of log q = -inf is in the head: the sampler excludes exactly exact_ids (checked above) and every sampler
+    # keeps its other classes drawable. Else a binary search of the sorted head (torch.isin of a large head
+    # sorts and takes unique values, a device sync on CUDA).
+    if corrected and num_exact:
+        in_head = log_q_pos == -math.inf
+    elif num_exact:
+        head_ids = excluded.to(device)
+        in_head = head_ids[torch.searchsorted(head_ids, y).clamp_max(num_exact - 1)] == y
+    else:
+        in_head = torch.zeros_like(valid)
+    # The corrections -log(n q) of the candidates (T, 1 + M), the label's first: n = M, plus the label with the
+    # corrected positive when it is not in the head. Inside H the label's term is dropped (-inf: the head holds
+    # it) and the target is its exact logit (0); without a head a label the proposal cannot draw keeps both.
+    if corrected:
+        minus_log_n = (in_head * math.log1p(1 / num_samples)).sub_(math.log(num_samples + 1))  # -log(M + [y not in H])
+        pos_adj = (minus_log_n - log_q_pos).nan_to_num_(posinf=-math.inf if num_exact else 0.0)
+        target_adj = pos_adj.nan_to_num(neginf=0.0)
+        neg_adj = minus_log_n.unsqueeze(1) - log_q
+    else:
+        target_adj, neg_adj = None, -(math.log(num_samples) + log_q)
+        pos_adj = torch.zeros(y.shape, device=device).masked_fill_(in_head, -math.inf)
+    neg_adj = neg_adj.masked_fill(hits, -math.inf) if drops else neg_adj
+    adj = torch.cat([pos_adj.unsqueeze(1), neg_adj.expand(cand.shape[0], -1)], dim=1)  # (T, R)
+    value_adj = None
+    if exact_value and not (estimator == "exact-positive" and drops):  # else the objective is that estimate
+        # The exact-loss estimate: the label exactly, M draws corrected by log M + log q, hits dropped (no gradient).
+        pos_value = pos_adj if target_adj is None else pos_adj - target_adj  # 0, or -inf inside H
+        tail = torch.rsub(log_q, -math.log(num_samples))  # (T, M), or (1, P) for a pool
+        tail = tail.masked_fill_(hits, -math.inf) if tail.shape == hits.shape else tail.masked_fill(hits, -math.inf)
+        value_adj = torch.cat([pos_value.unsqueeze(1), tail], dim=1)
+    per_token, share = sampled_softmax_terms(head, cand, adj, target_adj, value_adj, valid, factors is not None)
+    if factors is not None:  # the draws gave their share back; each tail class gets its expected part
+        per_token = expected_share(per_token, share, factors, hidden, weight, bias, table=table[0])
+    return _reduce(per_token, valid, reduction)
+
+
+# The dtypes "auto" hands to the kernels, which accumulate in float32: a float64 head keeps its precision eagerly.
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _runs_fused(kernels: str, negatives: str, hidden: torch.Tensor) -> bool:
+    """Whether :func:`sampled_softmax_loss` takes the fused kernels (see its ``kernels``) for ``hidden`` (already
+    in the weight's dtype); for "fused", a ValueError saying what to do where they cannot run. Triton is
+    imported only for CUDA tensors or "fused"."""
+    device = hidden.device
+    if kernels == "eager" or (
+        kernels == "auto" and (negatives != "per-query" or device.type != "cuda" or hidden.dtype not in _FUSED_DTYPES)
+    ):
+        return False
+    if negatives != "per-query":
+        raise ValueError(
+            f"kernels='fused' computes per-query negatives only, got negatives={negatives!r}; "
+            "use negatives='per-query', or kernels='auto' (eager for shared negatives)."
+        )
+    if torch.compiler.is_compiling():
+        return True  # a compiled graph runs on a GPU, and torch's CUDA builds ship Triton: nothing to import
+    from .kernels import triton_available, triton_interpreting
+
+    if kernels == "auto":
+        return triton_available()
+    if not triton_available():
+        raise ValueError(
+            "kernels='fused' needs Triton (it ships with torch's CUDA builds on Linux; else pip install triton); "
+            "use kernels='auto' or 'eager'."
+        )
+    if device.type != "cuda" and not triton_interpreting():
+        raise ValueError(
+            f"kernels='fused' runs on CUDA tensors (got {device.type}), or on the CPU under TRITON_INTERPRET=1 "
+            "(slow, for tests); move the model to a GPU, or use kernels='auto' or 'eager'."
+        )
+    return True
+
+
+def full_softmax_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    logit_softcap: float | None = None,
+    chunk_size: int | None = None,
+    check_labels: bool = True,
+) -> torch.Tensor:
+    """Exact cross-entropy of ``hidden @ weight.T (+ bias)`` without materializing the (T, V) logits.
+
+    Uses torch's chunked ``linear_cross_entropy`` where it exists (torch >= 2.13) and no softcap is
+    asked for; otherwise a chunked fallback that recomputes each chunk's logits in backward.
+
+    Args:
+        hidden: (T, D); weight: (V, D); labels: (T,) int64 or ``ignore_index``; bias: optional (V,).
+        chunk_size: tokens per chunk (default: about 2^24 logits a chunk, 64 to 1024 tokens).
+        check_labels: range-check the labels with a ValueError (one device sync); with False a
+            device-side assertion checks them instead.
+    Returns:
+        float32 scalar ("mean"/"sum") or (T,) ("none").
+    """
+    _validate(hidden, weight, labels, bias, ignore_index, reduction, check_labels)
+    if not check_labels:
+        _labels_in_range(labels.masked_fill(labels == ignore_index, 0), weight.shape[0])
+    labels = labels.long()  # cross_entropy (and the chunked path) need int64 targets; int32 ids are common
+    if logit_softcap is None and hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        # float32 inputs: torch reduces inside its chunked kernel ("sum": no per-token backward
+        # pass, measured 2.0 s vs 3.4 s at T=2048, V=131k). Low precision: per-token losses summed here
+        # in float32, since torch's bf16 running sum is off by ~10% after a few thousand tokens.
+        fused_sum = reduction != "none" and hidden.dtype == torch.float32 and weight.dtype == torch.float32
+        per_token = F.linear_cross_entropy(
+            hidden,
+            weight,
+            labels,
+            linear_bias=bias,
+            reduction="sum" if fused_sum else "none",
+            ignore_index=ignore_index,
+            # An explicit chunk: on CPU the "auto" chunking of torch 2.13 ran 10-30x slower than
+            # plain chunks (10.1 s vs 0.37 s for T=5100, V=33k, no grad).
+            options=torch.nn.LinearCrossEntropyOptions(
+                batch_chunk_size=_token_chunk(weight.shape[0], chunk_size), chunking_method=None
+            ),
+        ).float()
+    else:
+        per_token = _chunked_ce(hidden, weight, bias, labels, ignore_index, logit_softcap, chunk_size)
+    return _reduce(per_token, labels != ignore_index, reduction)  # the fused 0-dim sum passes through .sum()
+
+
+def _token_chunk(num_classes: int, chunk_size: int | None) -> int:
+    """Tokens per chunk: 512 (fastest measured at V=33k-131k) unless the chunk's logits pass 2^27
+    floats (512 MiB), then fewer, down to 128 at V=1M."""
+    return chunk_size or max(128, min(512, (1 << 27) // max(num_classes, 1)))
+
+
+def _chunked_ce(hidden, weight, bias, labels, ignore_index, logit_softcap, chunk_size):
+    """(T,) float32 per-token cross-entropy, chunk by chunk, each chunk's logits recomputed in backward."""
+    chunk = _token_chunk(weight.shape[0], chunk_size)
+    pieces = []
+    for s in range(0, hidden.shape[0], chunk):
+        pieces.append(
+            torch.utils.checkpoint.checkpoint(
+                _chunk_ce,
+                hidden[s : s + chunk],
+                weight,
+                bias,
+                labels[s : s + chunk],
+                ignore_index,
+                logit_softcap,
+                use_reentrant=False,
+            )
+        )
+    return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def _chunk_ce(hidden, weight, bias, labels, ignore_index, cap):
+    logits = F.linear(hidden, weight, bias).float()
+    return F.cross_entropy(soft_cap(logits, cap), labels, ignore_index=ignore_index, reduction="none")
