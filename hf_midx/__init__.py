@@ -26,7 +26,7 @@ from .indexing.codebooks import LearnableCodebooks
 from .data import token_counts
 from .integration.diagnostics import kl_to_softmax, proposal_diagnostics
 from .indexing.index import MidxIndex
-from .losses.loss import full_softmax_loss, sampled_softmax_loss
+from .losses import full_softmax_loss, sampled_softmax_loss
 from .rng import CounterRNG
 from .samplers import SAMPLERS, Sampler, build_sampler
 from .version import __version__, versions

@@ -21,7 +21,7 @@ from _models import clone_model, tiny_model
 import hf_midx
 from hf_midx import SAMPLERS, MidxConfig, MidxTrainer, build_sampler
 from hf_midx.integration.head import find_head
-from hf_midx.losses.loss import full_softmax_loss, sampled_softmax_loss
+from hf_midx.losses import full_softmax_loss, sampled_softmax_loss
 from test_head import _LargestTensor
 from test_trainer import VOCAB, RowsDataset, eval_rows, markov_rows, training_args
 

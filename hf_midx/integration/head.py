@@ -21,7 +21,7 @@ from torch import nn
 from ..config import MidxConfig
 from .diagnostics import proposal_diagnostics
 from ..losses.exact_head import exact_head_ids
-from ..losses.loss import full_softmax_loss, sampled_softmax_loss
+from ..losses import full_softmax_loss, sampled_softmax_loss
 from ..registry import build_sampler  # any hf_midx import runs hf_midx/__init__, which registers the samplers
 from .step_data import StepData
 from .zero import full_shape

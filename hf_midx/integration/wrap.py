@@ -60,23 +60,7 @@ def wrap(
         raise ValueError(f"wrap needs a torch.nn.Module (a transformers model), got {type(model).__name__}.")
     if find_head(model) is not None:
         raise ValueError("This model is already wrapped by MidxLMHead; call hf_midx.unwrap(model) first to wrap it again.")
-    get_output = getattr(model, "get_output_embeddings", None)
-    if not callable(get_output):
-        raise ValueError(
-            f"{type(model).__name__} has no get_output_embeddings(); wrap a model with a language-model head, "
-            "e.g. AutoModelForCausalLM.from_pretrained(...), not a bare backbone (AutoModel)."
-        )
-    linear = get_output()
-    if linear is None:
-        raise ValueError(
-            f"{type(model).__name__}.get_output_embeddings() returned None: the model has no LM head; load it with "
-            "AutoModelForCausalLM instead of AutoModel."
-        )
-    if not isinstance(linear, nn.Linear):
-        raise ValueError(
-            f"{type(model).__name__}.get_output_embeddings() is a {type(linear).__name__}, not an nn.Linear; "
-            "MidxLMHead wraps a plain linear LM head (apply PEFT adapters to the backbone only, not to lm_head)."
-        )
+    linear = _output_layer(model)
     vocab, _ = full_shape(linear.weight)  # a DeepSpeed ZeRO-3 weight is a (0,) slice here
     if config.num_samples >= vocab:
         raise ValueError(
@@ -90,22 +74,9 @@ def wrap(
             f"{type(host).__name__} computes its loss with {getattr(loss_fn, '__name__', loss_fn)!r}, not the "
             "causal-LM loss (ForCausalLMLoss); MidxLMHead supports causal language models only."
         )
-    text_config = host.config.get_text_config() if hasattr(host.config, "get_text_config") else host.config
-    softcap = getattr(text_config, "final_logit_softcapping", None)
-    scale = 1.0
-    if is_number(getattr(host, "logit_scale", None)):
-        scale *= float(host.logit_scale)  # Cohere
-    if is_number(getattr(text_config, "logits_scaling", None)):
-        scale /= float(text_config.logits_scaling)  # Granite
-
+    softcap, scale = _logit_transform(host)
     with gathered([linear.weight, linear.bias]):  # the sampler is built from the full (V, D) weight
-        head = MidxLMHead(
-            linear,
-            config,
-            class_counts=class_counts,
-            logit_softcap=float(softcap) if softcap is not None else None,
-            logit_scale=scale,
-        )
+        head = MidxLMHead(linear, config, class_counts=class_counts, logit_softcap=softcap, logit_scale=scale)
     # A new Module starts in training mode; the head must follow the model's mode (from_pretrained
     # returns models in eval mode, whose loss must stay exact until someone calls train()).
     head.train(linear.training)
@@ -129,6 +100,41 @@ def wrap(
             unwrap(model)
             raise
     return model
+
+
+def _output_layer(model: nn.Module) -> nn.Linear:
+    """The model's ``get_output_embeddings()``, which must be an ``nn.Linear``, else ValueError."""
+    get_output = getattr(model, "get_output_embeddings", None)
+    if not callable(get_output):
+        raise ValueError(
+            f"{type(model).__name__} has no get_output_embeddings(); wrap a model with a language-model head, "
+            "e.g. AutoModelForCausalLM.from_pretrained(...), not a bare backbone (AutoModel)."
+        )
+    linear = get_output()
+    if linear is None:
+        raise ValueError(
+            f"{type(model).__name__}.get_output_embeddings() returned None: the model has no LM head; load it with "
+            "AutoModelForCausalLM instead of AutoModel."
+        )
+    if not isinstance(linear, nn.Linear):
+        raise ValueError(
+            f"{type(model).__name__}.get_output_embeddings() is a {type(linear).__name__}, not an nn.Linear; "
+            "MidxLMHead wraps a plain linear LM head (apply PEFT adapters to the backbone only, not to lm_head)."
+        )
+    return linear
+
+
+def _logit_transform(host: nn.Module) -> tuple[float | None, float]:
+    """(cap, scale) of the host's logits: Gemma-2's ``final_logit_softcapping`` (or None), and Cohere's
+    ``logit_scale`` times 1 / Granite's ``logits_scaling`` (or 1.0)."""
+    text_config = host.config.get_text_config() if hasattr(host.config, "get_text_config") else host.config
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    scale = 1.0
+    if is_number(getattr(host, "logit_scale", None)):
+        scale *= float(host.logit_scale)  # Cohere
+    if is_number(getattr(text_config, "logits_scaling", None)):
+        scale /= float(text_config.logits_scaling)  # Granite
+    return (float(softcap) if softcap is not None else None), scale
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -1,4 +1,4 @@
-"""Sampled-softmax loss with proposal correction, and the exact full-softmax reference.
+"""Sampled-softmax loss with proposal correction (the exact full-softmax reference: :mod:`hf_midx.losses.full`).
 
 Shapes: T tokens, D hidden dims, V classes, M negatives per token (per-query mode) or P negatives in
 one pool (shared mode), H classes scored exactly for every token (``exact_ids``).
@@ -43,53 +43,14 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from .. import defaults
-from .._checks import check_ids, check_matrix, check_positive_int
+from .._checks import check_ids, check_positive_int
 from .._ops import soft_cap
 from .candidate_logits import candidate_logits, sampled_softmax_terms
 from ..defaults import ESTIMATORS, KERNEL_MODES, NEGATIVE_MODES  # noqa: F401 (the label's logit; the negatives)
+from .full import _labels_in_range, _reduce, _validate
 from .tail_gradient import asks_closed_form, check_closed_form, expected_share
-
-REDUCTIONS = ("mean", "sum", "none")
-
-def _validate(hidden, weight, labels, bias, ignore_index, reduction, check_labels):
-    """Shapes and types (no device sync); the label values too when ``check_labels`` (one sync)."""
-    check_matrix("hidden", hidden, finite=False)
-    check_matrix("weight", weight, dim=hidden.shape[1], finite=False)
-    if labels.dim() != 1 or labels.shape[0] != hidden.shape[0]:
-        raise ValueError(
-            f"labels must have shape (T,) = ({hidden.shape[0]},) to match hidden {tuple(hidden.shape)}, "
-            f"got {tuple(labels.shape)}; flatten (batch, seq) first."
-        )
-    if check_labels:
-        check_ids("labels", labels, weight.shape[0], ignore_index=ignore_index)
-    elif not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
-        raise ValueError(f"labels must be an integer tensor, got {getattr(labels, 'dtype', type(labels).__name__)}.")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}.")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}.")
-
-
-def _labels_in_range(labels: torch.Tensor, num_classes: int) -> None:
-    """A device-side assertion on (T,) labels (ignored ones already replaced by a class): fails the step (at the
-    next sync) instead of reading labels back now."""
-    ok = (labels.clamp(0, num_classes - 1) == labels).all()
-    torch._assert_async(ok, f"labels outside [0, {num_classes}) reached the MIDX loss")
-
-
-def _reduce(per_token: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
-    """per_token: (T,) float32, already 0 at ignored tokens; valid: (T,) bool."""
-    if reduction == "none":
-        return per_token
-    total = per_token.sum()
-    if reduction == "sum":
-        return total
-    # An all-ignored batch gives 0 (with a zero gradient) rather than 0/0; the count stays on the device.
-    return total / valid.sum(dtype=torch.float32).clamp_min(1)
-
 
 def drops_accidental_hits(remove_accidental_hits: bool | None, estimator: str) -> bool:
     """Whether the loss drops a negative equal to the label: the setting, or for None the estimator's
@@ -169,6 +130,69 @@ def sampled_softmax_loss(
     Returns:
         float32 scalar (or (T,) for "none").
     """
+    check_labels = _check_options(
+        hidden, weight, labels, sampler, num_samples, bias=bias, negatives=negatives, ignore_index=ignore_index,
+        remove_accidental_hits=remove_accidental_hits, reduction=reduction, estimator=estimator,
+        exact_ids=exact_ids, check_labels=check_labels, exact_value=exact_value, tail_gradient=tail_gradient,
+        kernels=kernels,
+    )
+    excluded = sampler.excluded  # (H,) sorted, or None
+    num_exact = _check_exact_ids(exact_ids, excluded, check_labels)
+    if hidden.dtype != weight.dtype:
+        # e.g. fp32 hidden states from a norm layer against a bf16 head: one dtype for the matmuls.
+        hidden = hidden.to(weight.dtype)
+    device = hidden.device
+    fused = _runs_fused(kernels, negatives, hidden)  # before the draws: a refused "fused" draws nothing
+    valid = labels != ignore_index
+    # Ignored tokens get label 0: they are scored like any token, then masked out of the reduction.
+    y = (labels * valid).long()
+    if not check_labels:
+        _labels_in_range(y, weight.shape[0])
+    corrected = estimator == "corrected-positive"
+    drops = drops_accidental_hits(remove_accidental_hits, estimator)
+    expected = asks_closed_form(tail_gradient, negatives, drops, logit_softcap)
+    # 1. the draws: one evaluation of the proposal gives them and, for the corrected positive, the label's log q
+    ids, log_q, log_q_pos, factors = _draw(
+        sampler, hidden.detach().float(), y, valid, num_samples, negatives, corrected, expected, tail_gradient,
+        generator,
+    )
+    head_ids = excluded.to(device) if num_exact else None  # (H,) sorted
+    if fused:
+        # The same draws, estimator and head: the kernels take the sorted head (excluded equals exact_ids' set,
+        # checked above) and mask the ignored tokens themselves; the labels were range-checked above.
+        return _fused_loss(
+            hidden, weight, labels, ids, log_q, log_q_pos, factors, valid, bias=bias, head_ids=head_ids,
+            ignore_index=ignore_index, logit_softcap=logit_softcap, corrected=corrected, drops=drops,
+            exact_value=exact_value, reduction=reduction,
+        )
+    # 2. the candidates' logits: the exact head (T, H) and each token's label and negatives (T, R)
+    common = (
+        torch.empty(0, dtype=torch.long, device=device)
+        if not num_exact
+        else exact_ids.to(device=device, dtype=torch.long)
+    )
+    head, cand, log_q, hits, table = _logits(
+        hidden, weight, bias, y, ids, log_q, common, factors, negatives, num_exact, logit_softcap
+    )
+    # 3. the corrections -log(n q) of the candidates, and those of the value
+    in_head = _label_in_head(y, log_q_pos, head_ids, valid, corrected)
+    adj, target_adj, value_adj = _corrections(
+        log_q, log_q_pos, hits, in_head, num_samples, cand.shape[0], corrected=corrected, drops=drops,
+        exact_value=exact_value and not (estimator == "exact-positive" and drops),  # else the objective is that estimate
+        has_head=bool(num_exact), device=device,
+    )
+    # 4. the terms, the tail's expected part, the reduction
+    per_token, share = sampled_softmax_terms(head, cand, adj, target_adj, value_adj, valid, factors is not None)
+    if factors is not None:  # the draws gave their share back; each tail class gets its expected part
+        per_token = expected_share(per_token, share, factors, hidden, weight, bias, table=table[0])
+    return _reduce(per_token, valid, reduction)
+
+
+def _check_options(hidden, weight, labels, sampler, num_samples, *, bias, negatives, ignore_index,
+                   remove_accidental_hits, reduction, estimator, exact_ids, check_labels, exact_value, tail_gradient,
+                   kernels) -> bool:
+    """:func:`sampled_softmax_loss`'s arguments, each with a ValueError; returns ``check_labels`` as it runs
+    (False under ``torch.compile``)."""
     if check_labels and torch.compiler.is_compiling():
         check_labels = False  # a host read would break the graph: the asynchronous check runs instead
     _validate(hidden, weight, labels, bias, ignore_index, reduction, check_labels)
@@ -199,7 +223,12 @@ def sampled_softmax_loss(
         raise ValueError("exact_ids must be a 1-D integer tensor of class ids (H,), or None.")
     if exact_ids is not None and check_labels:
         check_ids("exact_ids", exact_ids, weight.shape[0])
-    excluded = sampler.excluded  # (H,) sorted, or None
+    return check_labels
+
+
+def _check_exact_ids(exact_ids: torch.Tensor | None, excluded: torch.Tensor | None, check_labels: bool) -> int:
+    """H, the number of ``exact_ids``, which must be the (H,) sorted classes the sampler ``excluded`` (compared
+    when ``check_labels``: a device sync), else ValueError."""
     num_exact = 0 if exact_ids is None else exact_ids.numel()
     if num_exact != (0 if excluded is None else excluded.numel()) or (
         num_exact and check_labels and not torch.equal(torch.sort(exact_ids.to(excluded.device).long()).values, excluded)
@@ -210,73 +239,73 @@ def sampled_softmax_loss(
             f"({0 if excluded is None else excluded.numel()}), each once: build the sampler with exclude=exact_ids "
             "and pass exact_ids=sampler.excluded."
         )
-    if hidden.dtype != weight.dtype:
-        # e.g. fp32 hidden states from a norm layer against a bf16 head: one dtype for the matmuls.
-        hidden = hidden.to(weight.dtype)
-    device = hidden.device
-    fused = _runs_fused(kernels, negatives, hidden)  # before the draws: a refused "fused" draws nothing
-    valid = labels != ignore_index
-    # Ignored tokens get label 0: they are scored like any token, then masked out of the reduction.
-    y = (labels * valid).long()
-    if not check_labels:
-        _labels_in_range(y, weight.shape[0])
-    queries = hidden.detach().float()
-    common = (
-        torch.empty(0, dtype=torch.long, device=device)
-        if not num_exact
-        else exact_ids.to(device=device, dtype=torch.long)
-    )
-    # One evaluation of the proposal gives the draws and, for the corrected positive, the label's log q.
-    corrected = estimator == "corrected-positive"
-    drops = drops_accidental_hits(remove_accidental_hits, estimator)
-    factors = None  # the proposal's closed form for the expected tail gradient; None: the sampled one
-    expected = asks_closed_form(tail_gradient, negatives, drops, logit_softcap)
+    return num_exact
+
+
+def _draw(sampler, queries, y, valid, num_samples, negatives, corrected, expected, tail_gradient, generator):
+    """The negatives of the (T, D) float32 ``queries``: (ids, log_q, log_q_pos, factors).
+
+    Per-query: ids (T, M) int64 and their log q (T, M); shared: the pool (P,) and log qbar (P,). log_q_pos: (T,)
+    the label's log q for the corrected positive, else None. factors: the proposal's closed form for the
+    expected tail gradient (per-query, where ``expected``), else None.
+    """
     if negatives == "per-query":
         if expected:
             scored = y.unsqueeze(1) if corrected else None
-            drawn = sampler.draw_with_factors(queries, num_samples, scored, generator=generator)
-            ids, log_q, log_q_pos, factors = drawn
+            ids, log_q, log_q_pos, factors = sampler.draw_with_factors(queries, num_samples, scored, generator=generator)
             check_closed_form(factors, tail_gradient, sampler)
-            log_q_pos = None if log_q_pos is None else log_q_pos.squeeze(1)
-        elif corrected:
+            return ids, log_q, None if log_q_pos is None else log_q_pos.squeeze(1), factors
+        if corrected:
             ids, log_q, log_q_pos = sampler.draw_scored(queries, num_samples, y.unsqueeze(1), generator=generator)
-            log_q_pos = log_q_pos.squeeze(1)
-        else:
-            ids, log_q = sampler.draw(queries, num_samples, generator=generator)  # (T, M)
-            log_q_pos = None
-        if fused:
-            from .kernels import candidate_loss  # lazily: the kernels' module imports Triton when they run
+            return ids, log_q, log_q_pos.squeeze(1), None
+        ids, log_q = sampler.draw(queries, num_samples, generator=generator)  # (T, M)
+        return ids, log_q, None, None
+    if corrected:
+        pool, log_qbar, log_q_pos = sampler.draw_shared_scored(
+            queries, num_samples, y, row_weights=valid.float(), generator=generator
+        )
+        return pool, log_qbar, log_q_pos, None
+    pool, log_qbar = sampler.draw_shared(queries, num_samples, row_weights=valid.float(), generator=generator)
+    return pool, log_qbar, None, None
 
-            # The same draws, estimator and head: the kernels take the sorted head (excluded equals exact_ids'
-            # set, checked above) and mask the ignored tokens themselves; the labels were range-checked above.
-            # With the factors the kernels also return the weight's bucket table, whose gradient their own
-            # weight-gradient kernel spreads: the weight's gradient is written once.
-            out = candidate_loss(
-                hidden, weight, labels, ids, log_q, log_q_pos, bias=bias,
-                head_ids=excluded.to(device) if num_exact else None, ignore_index=ignore_index,
-                logit_softcap=logit_softcap, corrected_positive=corrected, remove_accidental_hits=drops,
-                exact_value=exact_value, reduction=reduction, backend="fused", tail_control=factors is not None,
-                factors=factors,
-            )
-            # The kernels gave each draw's share back (out[1]); the expected part is added here.
-            if factors is None:
-                return out
-            share = out[1] / valid.sum().clamp_min(1) if reduction == "mean" else out[1]  # per token of the mean
-            return expected_share(out[0], share, factors, hidden, weight, bias, table=out[2])
+
+def _fused_loss(hidden, weight, labels, ids, log_q, log_q_pos, factors, valid, *, bias, head_ids, ignore_index,
+                logit_softcap, corrected, drops, exact_value, reduction) -> torch.Tensor:
+    """The per-query loss of the draws through the fused kernels (:func:`hf_midx.losses.kernels.candidate_loss`)."""
+    from .kernels import candidate_loss  # lazily: the kernels' module imports Triton when they run
+
+    # With the factors the kernels also return the weight's bucket table, whose gradient their own weight-gradient
+    # kernel spreads: the weight's gradient is written once.
+    out = candidate_loss(
+        hidden, weight, labels, ids, log_q, log_q_pos, bias=bias,
+        head_ids=head_ids, ignore_index=ignore_index,
+        logit_softcap=logit_softcap, corrected_positive=corrected, remove_accidental_hits=drops,
+        exact_value=exact_value, reduction=reduction, backend="fused", tail_control=factors is not None,
+        factors=factors,
+    )
+    # The kernels gave each draw's share back (out[1]); the expected part is added here.
+    if factors is None:
+        return out
+    share = out[1] / valid.sum().clamp_min(1) if reduction == "mean" else out[1]  # per token of the mean
+    return expected_share(out[0], share, factors, hidden, weight, bias, table=out[2])
+
+
+def _logits(hidden, weight, bias, y, ids, log_q, common, factors, negatives, num_exact, logit_softcap):
+    """The candidates' soft-capped logits: (head (T, H), cand (T, R), log_q, hits, table).
+
+    Per-query: each token's candidates are its label and its M draws (R = 1 + M), ``common`` the (H,) head.
+    Shared: the label alone, and the pool joins the head as common columns (R = 1 + P, log_q (1, P)).
+    hits: (T, M) or (T, P) bool, a draw equal to the token's label. table: [the weight's bucket table] with
+    the expected tail gradient, else [].
+    """
+    if negatives == "per-query":
         rows = torch.cat([y.unsqueeze(1), ids], dim=1)  # (T, 1 + M)
         hits = ids == y.unsqueeze(1)
     else:
-        if corrected:
-            pool, log_qbar, log_q_pos = sampler.draw_shared_scored(
-                queries, num_samples, y, row_weights=valid.float(), generator=generator
-            )
-        else:
-            pool, log_qbar = sampler.draw_shared(queries, num_samples, row_weights=valid.float(), generator=generator)
-            log_q_pos = None
         rows = y.unsqueeze(1)
-        common = torch.cat([common, pool])
-        log_q = log_qbar.unsqueeze(0)  # (1, P)
-        hits = pool.unsqueeze(0) == y.unsqueeze(1)
+        common = torch.cat([common, ids])
+        log_q = log_q.unsqueeze(0)  # (1, P)
+        hits = ids.unsqueeze(0) == y.unsqueeze(1)
     # With the expected tail gradient the weight's bucket table comes with the logits: its gradient is then
     # written into the candidates' own (V, D) weight gradient, no second one.
     tok_logits, common_logits, *table = candidate_logits(hidden, weight, rows, common, factors)
@@ -287,42 +316,46 @@ def sampled_softmax_loss(
     common_logits = soft_cap(common_logits, logit_softcap)
     head = common_logits[:, :num_exact] if negatives == "shared" else common_logits  # (T, H)
     cand = tok_logits if negatives == "per-query" else torch.cat([tok_logits, common_logits[:, num_exact:]], dim=1)
+    return head, cand, log_q, hits, table
 
+
+def _label_in_head(y, log_q_pos, head_ids, valid, corrected) -> torch.Tensor:
+    """(T,) bool: the token's label is in the exact head (``head_ids``, (H,) sorted, or None)."""
     # A label inside the exact head is already one of the head's terms. With the label's log q at hand, a label
     # of log q = -inf is in the head: the sampler excludes exactly exact_ids (checked above) and every sampler
     # keeps its other classes drawable. Else a binary search of the sorted head (torch.isin of a large head
     # sorts and takes unique values, a device sync on CUDA).
-    if corrected and num_exact:
-        in_head = log_q_pos == -math.inf
-    elif num_exact:
-        head_ids = excluded.to(device)
-        in_head = head_ids[torch.searchsorted(head_ids, y).clamp_max(num_exact - 1)] == y
-    else:
-        in_head = torch.zeros_like(valid)
+    if corrected and head_ids is not None:
+        return log_q_pos == -math.inf
+    if head_ids is not None:
+        return head_ids[torch.searchsorted(head_ids, y).clamp_max(head_ids.numel() - 1)] == y
+    return torch.zeros_like(valid)
+
+
+def _corrections(log_q, log_q_pos, hits, in_head, num_samples, num_tokens, *, corrected, drops, exact_value,
+                 has_head, device):
+    """(adj (T, R), target_adj (T,) or None, value_adj (T, R) or None): what each candidate's logit gets added in
+    the objective, in the target, and in the value (the exact-loss estimate; None: the objective is the value)."""
     # The corrections -log(n q) of the candidates (T, 1 + M), the label's first: n = M, plus the label with the
     # corrected positive when it is not in the head. Inside H the label's term is dropped (-inf: the head holds
     # it) and the target is its exact logit (0); without a head a label the proposal cannot draw keeps both.
     if corrected:
         minus_log_n = (in_head * math.log1p(1 / num_samples)).sub_(math.log(num_samples + 1))  # -log(M + [y not in H])
-        pos_adj = (minus_log_n - log_q_pos).nan_to_num_(posinf=-math.inf if num_exact else 0.0)
+        pos_adj = (minus_log_n - log_q_pos).nan_to_num_(posinf=-math.inf if has_head else 0.0)
         target_adj = pos_adj.nan_to_num(neginf=0.0)
         neg_adj = minus_log_n.unsqueeze(1) - log_q
     else:
         target_adj, neg_adj = None, -(math.log(num_samples) + log_q)
-        pos_adj = torch.zeros(y.shape, device=device).masked_fill_(in_head, -math.inf)
+        pos_adj = torch.zeros(in_head.shape, device=device).masked_fill_(in_head, -math.inf)
     neg_adj = neg_adj.masked_fill(hits, -math.inf) if drops else neg_adj
-    adj = torch.cat([pos_adj.unsqueeze(1), neg_adj.expand(cand.shape[0], -1)], dim=1)  # (T, R)
-    value_adj = None
-    if exact_value and not (estimator == "exact-positive" and drops):  # else the objective is that estimate
-        # The exact-loss estimate: the label exactly, M draws corrected by log M + log q, hits dropped (no gradient).
-        pos_value = pos_adj if target_adj is None else pos_adj - target_adj  # 0, or -inf inside H
-        tail = torch.rsub(log_q, -math.log(num_samples))  # (T, M), or (1, P) for a pool
-        tail = tail.masked_fill_(hits, -math.inf) if tail.shape == hits.shape else tail.masked_fill(hits, -math.inf)
-        value_adj = torch.cat([pos_value.unsqueeze(1), tail], dim=1)
-    per_token, share = sampled_softmax_terms(head, cand, adj, target_adj, value_adj, valid, factors is not None)
-    if factors is not None:  # the draws gave their share back; each tail class gets its expected part
-        per_token = expected_share(per_token, share, factors, hidden, weight, bias, table=table[0])
-    return _reduce(per_token, valid, reduction)
+    adj = torch.cat([pos_adj.unsqueeze(1), neg_adj.expand(num_tokens, -1)], dim=1)  # (T, R)
+    if not exact_value:
+        return adj, target_adj, None
+    # The exact-loss estimate: the label exactly, M draws corrected by log M + log q, hits dropped (no gradient).
+    pos_value = pos_adj if target_adj is None else pos_adj - target_adj  # 0, or -inf inside H
+    tail = torch.rsub(log_q, -math.log(num_samples))  # (T, M), or (1, P) for a pool
+    tail = tail.masked_fill_(hits, -math.inf) if tail.shape == hits.shape else tail.masked_fill(hits, -math.inf)
+    return adj, target_adj, torch.cat([pos_value.unsqueeze(1), tail], dim=1)
 
 
 # The dtypes "auto" hands to the kernels, which accumulate in float32: a float64 head keeps its precision eagerly.
@@ -360,86 +393,3 @@ def _runs_fused(kernels: str, negatives: str, hidden: torch.Tensor) -> bool:
             "(slow, for tests); move the model to a GPU, or use kernels='auto' or 'eager'."
         )
     return True
-
-
-def full_softmax_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    logit_softcap: float | None = None,
-    chunk_size: int | None = None,
-    check_labels: bool = True,
-) -> torch.Tensor:
-    """Exact cross-entropy of ``hidden @ weight.T (+ bias)`` without materializing the (T, V) logits.
-
-    Uses torch's chunked ``linear_cross_entropy`` where it exists (torch >= 2.13) and no softcap is
-    asked for; otherwise a chunked fallback that recomputes each chunk's logits in backward.
-
-    Args:
-        hidden: (T, D); weight: (V, D); labels: (T,) int64 or ``ignore_index``; bias: optional (V,).
-        chunk_size: tokens per chunk (default: about 2^24 logits a chunk, 64 to 1024 tokens).
-        check_labels: range-check the labels with a ValueError (one device sync); with False a
-            device-side assertion checks them instead.
-    Returns:
-        float32 scalar ("mean"/"sum") or (T,) ("none").
-    """
-    _validate(hidden, weight, labels, bias, ignore_index, reduction, check_labels)
-    if not check_labels:
-        _labels_in_range(labels.masked_fill(labels == ignore_index, 0), weight.shape[0])
-    labels = labels.long()  # cross_entropy (and the chunked path) need int64 targets; int32 ids are common
-    if logit_softcap is None and hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
-        # float32 inputs: torch reduces inside its chunked kernel ("sum": no per-token backward
-        # pass, measured 2.0 s vs 3.4 s at T=2048, V=131k). Low precision: per-token losses summed here
-        # in float32, since torch's bf16 running sum is off by ~10% after a few thousand tokens.
-        fused_sum = reduction != "none" and hidden.dtype == torch.float32 and weight.dtype == torch.float32
-        per_token = F.linear_cross_entropy(
-            hidden,
-            weight,
-            labels,
-            linear_bias=bias,
-            reduction="sum" if fused_sum else "none",
-            ignore_index=ignore_index,
-            # An explicit chunk: on CPU the "auto" chunking of torch 2.13 ran 10-30x slower than
-            # plain chunks (10.1 s vs 0.37 s for T=5100, V=33k, no grad).
-            options=torch.nn.LinearCrossEntropyOptions(
-                batch_chunk_size=_token_chunk(weight.shape[0], chunk_size), chunking_method=None
-            ),
-        ).float()
-    else:
-        per_token = _chunked_ce(hidden, weight, bias, labels, ignore_index, logit_softcap, chunk_size)
-    return _reduce(per_token, labels != ignore_index, reduction)  # the fused 0-dim sum passes through .sum()
-
-
-def _token_chunk(num_classes: int, chunk_size: int | None) -> int:
-    """Tokens per chunk: 512 (fastest measured at V=33k-131k) unless the chunk's logits pass 2^27
-    floats (512 MiB), then fewer, down to 128 at V=1M."""
-    return chunk_size or max(128, min(512, (1 << 27) // max(num_classes, 1)))
-
-
-def _chunked_ce(hidden, weight, bias, labels, ignore_index, logit_softcap, chunk_size):
-    """(T,) float32 per-token cross-entropy, chunk by chunk, each chunk's logits recomputed in backward."""
-    chunk = _token_chunk(weight.shape[0], chunk_size)
-    pieces = []
-    for s in range(0, hidden.shape[0], chunk):
-        pieces.append(
-            torch.utils.checkpoint.checkpoint(
-                _chunk_ce,
-                hidden[s : s + chunk],
-                weight,
-                bias,
-                labels[s : s + chunk],
-                ignore_index,
-                logit_softcap,
-                use_reentrant=False,
-            )
-        )
-    return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
-
-
-def _chunk_ce(hidden, weight, bias, labels, ignore_index, cap):
-    logits = F.linear(hidden, weight, bias).float()
-    return F.cross_entropy(soft_cap(logits, cap), labels, ignore_index=ignore_index, reduction="none")

@@ -68,6 +68,91 @@ def _head_tile(
 
 
 @triton.jit
+def _dot_rows(
+    hidden_ptr, weight_ptr, t64, t_ok, row, cand_ok, D, stride_hidden, stride_weight,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """x[t, r] = hidden[t] . weight[row[t, r]] in float32, over D in blocks: (BLOCK_T, BLOCK_R)."""
+    x = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        h = tl.load(
+            hidden_ptr + t64[:, None] * stride_hidden + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0
+        ).to(tl.float32)
+        w = tl.load(
+            weight_ptr + row[:, :, None] * stride_weight + d[None, None, :],
+            mask=cand_ok[:, :, None] & d_ok[None, None, :],
+            other=0.0,
+        ).to(tl.float32)
+        x += tl.sum(w * h[:, None, :], axis=2)
+    return x
+
+
+@triton.jit
+def _in_sorted(head_ids_ptr, y, t_ok, H, SEARCH_STEPS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """((BLOCK_T,) bool, (BLOCK_T,) int32): y is one of the sorted (H,) ids (a lower-bound search; False past T or
+    without ids), and its position among them (where it is one)."""
+    lo = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    hi = tl.zeros((BLOCK_T,), dtype=tl.int32) + H
+    for _step in tl.static_range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(head_ids_ptr + mid, mask=active & t_ok, other=0)
+        right = active & (v < y)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & (v >= y), mid, hi)
+    last = tl.minimum(lo, H - 1)  # -1 without a head: masked
+    found = tl.load(head_ids_ptr + last, mask=t_ok & (last >= 0), other=-1)
+    return t_ok & (found == y), lo
+
+
+@triton.jit
+def _log_n(in_head, M, CORRECTED: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(BLOCK_T,) float32 log n: n = M, plus 1 for a corrected positive outside the exact head."""
+    if CORRECTED:
+        n = M + tl.where(in_head, 0.0, 1.0)
+    else:
+        n = M + tl.zeros((BLOCK_T,), dtype=tl.float32)
+    return tl.log(n)
+
+
+@triton.jit
+def _positive_correction(log_q_pos_ptr, t, t_ok, in_head, log_n, CORRECTED: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(BLOCK_T,) float32: what the label's logit loses in the objective, log n + log q(label) for a corrected
+    positive outside the head, else 0."""
+    if CORRECTED:
+        lq_pos = tl.load(log_q_pos_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
+        # A label the proposal cannot draw (log q = -inf) keeps its exact logit.
+        finite = (lq_pos == lq_pos) & (tl.abs(lq_pos) < float("inf"))
+        pos_corr = tl.where(in_head | ~finite, 0.0, log_n + lq_pos)
+    else:
+        pos_corr = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    return pos_corr
+
+
+@triton.jit
+def _head_lse(
+    term, vterm, head_raw_ptr, head_ids_ptr, bias_ptr, t64, t_ok, H, stride_head_raw, scale, softcap,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, EXACT_VALUE: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """The running (max, sum) of the objective's terms and of the value's terms (``vterm``, with EXACT_VALUE)
+    over the candidates, then over the exact head's logits: (m, s, mv, sv)."""
+    m, s = _lse_start(term)
+    mv, sv = _lse_start(vterm)
+    for c0 in range(0, H, BLOCK_H):
+        c, ok, oh, doh = _head_tile(
+            head_raw_ptr, head_ids_ptr, bias_ptr, t64, t_ok, c0, H, stride_head_raw, scale, softcap,
+            HAS_BIAS, SOFTCAP, BLOCK_H,
+        )
+        oh = tl.where(ok, oh, float("-inf"))
+        m, s = _lse_add(m, s, oh)
+        if EXACT_VALUE:
+            mv, sv = _lse_add(mv, sv, oh)
+    return m, s, mv, sv
+
+
+@triton.jit
 def candidate_forward_kernel(
     hidden_ptr, weight_ptr, bias_ptr, labels_ptr, ids_ptr, log_q_ptr, log_q_pos_ptr,
     head_ids_ptr, head_raw_ptr,
@@ -107,52 +192,18 @@ def candidate_forward_kernel(
     neg_id = tl.load(ids_ptr + neg_off, mask=is_neg, other=0).to(tl.int64)
     row = tl.where(is_pos, y[:, None], neg_id)  # (BLOCK_T, BLOCK_R)
 
-    # x[t, r] = hidden[t] . weight[row[t, r]] in float32, over D in blocks.
-    x = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        d_ok = d < D
-        h = tl.load(
-            hidden_ptr + t64[:, None] * stride_hidden + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0
-        ).to(tl.float32)
-        w = tl.load(
-            weight_ptr + row[:, :, None] * stride_weight + d[None, None, :],
-            mask=cand_ok[:, :, None] & d_ok[None, None, :],
-            other=0.0,
-        ).to(tl.float32)
-        x += tl.sum(w * h[:, None, :], axis=2)
+    x = _dot_rows(hidden_ptr, weight_ptr, t64, t_ok, row, cand_ok, D, stride_hidden, stride_weight,
+                  BLOCK_T, BLOCK_R, BLOCK_D)
     if HAS_BIAS:
         x += tl.load(bias_ptr + row, mask=cand_ok, other=0.0).to(tl.float32)
     o, do_dx = _finish_logits(x, scale, softcap, SOFTCAP)
 
-    # Is the label in the exact head? A lower-bound search of the sorted (H,) ids.
-    lo = tl.zeros((BLOCK_T,), dtype=tl.int32)
-    hi = tl.zeros((BLOCK_T,), dtype=tl.int32) + H
-    for _step in tl.static_range(SEARCH_STEPS):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        v = tl.load(head_ids_ptr + mid, mask=active & t_ok, other=0)
-        right = active & (v < y)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(active & (v >= y), mid, hi)
-    last = tl.minimum(lo, H - 1)  # -1 without a head: masked
-    found = tl.load(head_ids_ptr + last, mask=t_ok & (last >= 0), other=-1)
-    in_head = t_ok & (found == y)
+    in_head, head_pos = _in_sorted(head_ids_ptr, y, t_ok, H, SEARCH_STEPS, BLOCK_T)  # the label in the exact head
 
     # The corrections: n = M (+1 for a corrected positive outside the head), log n + log q.
-    if CORRECTED:
-        n = M + tl.where(in_head, 0.0, 1.0)
-    else:
-        n = M + tl.zeros((BLOCK_T,), dtype=tl.float32)
-    log_n = tl.log(n)
+    log_n = _log_n(in_head, M, CORRECTED, BLOCK_T)
     log_q = tl.load(log_q_ptr + neg_off, mask=is_neg, other=0.0).to(tl.float32)
-    if CORRECTED:
-        lq_pos = tl.load(log_q_pos_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
-        # A label the proposal cannot draw (log q = -inf) keeps its exact logit.
-        finite = (lq_pos == lq_pos) & (tl.abs(lq_pos) < float("inf"))
-        pos_corr = tl.where(in_head | ~finite, 0.0, log_n + lq_pos)
-    else:
-        pos_corr = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    pos_corr = _positive_correction(log_q_pos_ptr, t, t_ok, in_head, log_n, CORRECTED, BLOCK_T)
     term = o - tl.where(is_pos, pos_corr[:, None], log_n[:, None] + log_q)
     drop = is_pos & in_head[:, None]  # the head already holds the label's term
     if DROP_HITS:
@@ -167,17 +218,10 @@ def candidate_forward_kernel(
     vterm = tl.where((is_pos & in_head[:, None]) | (is_neg & (neg_id == y[:, None])) | ~cand_ok, float("-inf"), vterm)
 
     # Online logsumexps over the candidates and the exact head.
-    m, s = _lse_start(term)
-    mv, sv = _lse_start(vterm)
-    for c0 in range(0, H, BLOCK_H):
-        c, ok, oh, doh = _head_tile(
-            head_raw_ptr, head_ids_ptr, bias_ptr, t64, t_ok, c0, H, stride_head_raw, scale, softcap,
-            HAS_BIAS, SOFTCAP, BLOCK_H,
-        )
-        oh = tl.where(ok, oh, float("-inf"))
-        m, s = _lse_add(m, s, oh)
-        if EXACT_VALUE:
-            mv, sv = _lse_add(mv, sv, oh)
+    m, s, mv, sv = _head_lse(
+        term, vterm, head_raw_ptr, head_ids_ptr, bias_ptr, t64, t_ok, H, stride_head_raw, scale, softcap,
+        HAS_BIAS, SOFTCAP, EXACT_VALUE, BLOCK_H,
+    )
     lse = m + tl.log(tl.where(t_ok, s, 1.0))  # rows past T: 0, not log(0)
     if EXACT_VALUE:
         loss = tl.where(valid, mv + tl.log(tl.where(t_ok, sv, 1.0)) - pos, 0.0)
@@ -205,7 +249,7 @@ def candidate_forward_kernel(
             head_raw_ptr, head_ids_ptr, bias_ptr, t64, t_ok, c0, H, stride_head_raw, scale, softcap,
             HAS_BIAS, SOFTCAP, BLOCK_H,
         )
-        at_label = tl.where((c[None, :] == lo[:, None]) & in_head[:, None], 1.0, 0.0)
+        at_label = tl.where((c[None, :] == head_pos[:, None]) & in_head[:, None], 1.0, 0.0)
         gh = tl.where(keep & ok, (tl.exp(oh - lse[:, None]) - at_label) * doh, 0.0)
         tl.store(g_head_ptr + t64[:, None] * H + c[None, :], gh, mask=ok)
 
