@@ -13,11 +13,11 @@ and the saved model is a plain transformers model. In short::
 
 The main names: ``wrap`` / ``unwrap`` (the head of a causal LM), ``MidxConfig`` (every option), ``MidxTrainer``
 and ``MidxCallback`` (index refresh, checkpoints, diagnostics), ``token_counts``, ``refresh_index`` (for your
-own training loop). The algorithm underneath (``index``, ``quantizers``, ``samplers``, ``loss`` and their
-helpers) is plain PyTorch, with Triton kernels beside it in ``kernels``; the Hugging Face layer (``config``, ``head``, ``callback``, ``trainer``,
-``model_card`` and theirs) is imported on first use, so ``import hf_midx`` does not load transformers' Trainer.
-(``wrap`` / ``unwrap`` are bound at import: they share the name of their module
-``hf_midx.wrap``, which a lazy lookup would leave in their place.)
+own training loop). The algorithm underneath is plain PyTorch: ``indexing`` (the index, quantizers,
+codebooks), ``samplers`` and ``losses`` (the sampled and the full softmax loss, with Triton kernels in
+``losses.kernels``). The transformers layer, ``integration`` (head, wrap, callback, trainer, model card and
+theirs), is the one package that imports transformers; the callback and trainer are imported on first use, so
+``import hf_midx`` does not load transformers' Trainer.
 """
 
 import importlib as _importlib

@@ -1,13 +1,19 @@
 """The layering of hf_midx/ read from its imports (``ast``, nothing imported): no circle of imports between its
 files, and at most 7 floors from the leaves to the top, ``hf_midx/__init__.py``, counted as ``farm-studio look``
-counts them (a subpackage, ``samplers/`` or ``kernels/``, is one room; floor 1 imports nothing of the package).
+counts them (a subpackage directly under hf_midx, ``indexing/``, ``samplers/``, ``losses/`` or ``integration/``,
+is one room; floor 1 imports nothing of the package).
+
+The folders show the layers (issue 48): at most 12 modules directly under hf_midx/ (the public face and small
+shared helpers); the algorithm (``indexing``, ``samplers``) and the loss (``losses``) in plain PyTorch, with no
+arrow into the transformers layer (``integration``), the one package that imports transformers; no function
+over 80 lines of code.
 
 An arrow A -> B is an import that runs B when A runs: ``from .x import y`` runs ``hf_midx.x`` (and ``hf_midx.x.y``
 when that is a module), ``from .pkg.mod import y`` runs ``pkg/__init__`` too (unless A is inside ``pkg``, which
 is then already running). Imports inside functions count (they run on the first call), and so do those under
 ``if TYPE_CHECKING:`` (a type is a dependency too, and farm-studio draws them). The names that ``__init__``
 loads lazily (``_LAZY``, by ``importlib``) are no arrow, as for farm-studio: their modules (the trainer) are
-rooms of their own, held to the same 7 floors.
+held to the same 7 floors.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from __future__ import annotations
 import ast
 from functools import cache
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_midx"
 MAX_FLOORS = 7
@@ -142,3 +150,89 @@ def test_each_file_holds_one_idea():
     trainer = ast.parse(MODULES["hf_midx.integration.trainer"].read_text())
     (cls,) = [n for n in trainer.body if isinstance(n, ast.ClassDef) and n.name == "MidxTrainer"]
     assert cls.end_lineno - cls.lineno + 1 <= 120, f"MidxTrainer has {cls.end_lineno - cls.lineno + 1} lines"
+
+
+# ------------------------------------------------------------------------------------------------ the folders
+MAX_TOP_MODULES = 12
+TRANSFORMERS_LAYER = "hf_midx.integration"
+ALGORITHM_AND_LOSS = ("hf_midx.indexing", "hf_midx.samplers", "hf_midx.losses")
+MAX_CODE_LINES = 80
+
+
+def _inside(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_at_most_twelve_modules_at_the_top():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules directly under hf_midx/ (at most {MAX_TOP_MODULES}): {top}"
+    for package in (TRANSFORMERS_LAYER, *ALGORITHM_AND_LOSS):
+        assert _is_package(package), f"{package} is not a package"
+        doc = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""
+        summary = doc.split("\n\n")[0].splitlines()
+        assert 1 <= len(summary) <= 2, f"{package}/__init__.py opens with what the layer is, in two lines at most"
+
+
+def _imports_transformers(name: str) -> bool:
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            modules = [node.module or ""]
+        else:
+            continue
+        if any(m == "transformers" or m.startswith("transformers.") for m in modules):
+            return True
+    return False
+
+
+def test_transformers_is_imported_in_one_package_only():
+    importers = {name for name in MODULES if _imports_transformers(name)}
+    assert "hf_midx.integration.binding" in importers  # the reader finds them: the binding does import it
+    outside = sorted(name for name in importers if not _inside(name, TRANSFORMERS_LAYER))
+    assert outside == [], f"transformers imported outside {TRANSFORMERS_LAYER}: {outside}"
+
+
+def test_only_the_top_imports_the_transformers_layer():
+    # The algorithm and the loss stay usable without transformers: no arrow from them into the layer above,
+    # nor from any module outside it but the package's face.
+    for name, targets in GRAPH.items():
+        if name == "hf_midx" or _inside(name, TRANSFORMERS_LAYER):
+            continue
+        up = sorted(t for t in targets if _inside(t, TRANSFORMERS_LAYER))
+        assert up == [], f"{name} imports the transformers layer: {up}"
+    assert any(_inside(t, TRANSFORMERS_LAYER) for t in GRAPH["hf_midx"])  # the reader sees the arrows there are
+    for package in ALGORITHM_AND_LOSS:
+        assert any(_inside(name, package) for name in GRAPH), f"{package} is read"
+
+
+def code_lines(source_lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines of code of a function: its lines less its docstring, comments and blank lines."""
+    lines = set(range(node.lineno, node.end_lineno + 1))
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        lines -= set(range(first.lineno, first.end_lineno + 1))
+    return sum(1 for i in lines if source_lines[i - 1].strip() and not source_lines[i - 1].lstrip().startswith("#"))
+
+
+def test_no_function_over_80_lines_of_code():
+    example = ast.parse('def f(x):\n    """Doc\n    string."""\n    # why\n\n    y = x\n    return y\n').body[0]
+    assert code_lines(['def f(x):', '    """Doc', '    string."""', '    # why', '', '    y = x', '    return y'],
+                      example) == 3  # the counter itself: def, y = x, return y
+    long = []
+    for name, path in MODULES.items():
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and code_lines(lines, node) > MAX_CODE_LINES:
+                long.append(f"{name}.{node.name} ({code_lines(lines, node)} lines of code)")
+    assert long == [], f"functions over {MAX_CODE_LINES} lines of code: {long}"
+
+
+def test_the_wheel_lists_every_package():
+    # setuptools ships the packages pyproject.toml lists, and nothing warns about a folder left out (hf_midx.samplers
+    # once was): the list must name every package of hf_midx/, and the card template's hf_midx.model_cards.
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    listed = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    on_disk = {name for name in MODULES if _is_package(name)} | {"hf_midx.model_cards"}
+    assert sorted(listed) == sorted(on_disk), f"pyproject.toml's packages: {sorted(listed)}, the folders: {sorted(on_disk)}"
