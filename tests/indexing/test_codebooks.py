@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_midx import LearnableCodebooks, build_sampler, kl_to_softmax, quantizers
+from hf_midx import LearnableCodebooks, build_sampler, kl_to_softmax
+from hf_midx.indexing import quantizers
 from hf_midx.indexing.codebooks import _soft_assign
 
 

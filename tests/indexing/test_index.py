@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from hf_midx import MidxIndex, quantizers
+from hf_midx import MidxIndex
+from hf_midx.indexing import quantizers
 
 
 @pytest.fixture(scope="module")

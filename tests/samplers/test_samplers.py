@@ -13,7 +13,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from hf_midx import SAMPLERS, build_sampler, kl_to_softmax, quantizers
+from hf_midx import SAMPLERS, build_sampler, kl_to_softmax
+from hf_midx.indexing import quantizers
 from hf_midx.samplers import Sampler
 
 ALL = sorted(SAMPLERS)
