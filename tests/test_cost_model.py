@@ -1,0 +1,112 @@
+"""recipes/benchmarks/cost_model.py: its launch list is the default step's real trace, and what serializes, uses
+atomics or syncs the host is flagged.
+
+The cost model traces the step under FakeTensorMode (no data) with a TorchDispatchMode and anomaly mode (to
+attribute the backward's ops); here the same step runs for real (the fused kernels under the Triton interpreter)
+and a plain dispatch counter, written here, lists what it launches: the two lists must be the same ops in the same
+order, and the model's GEMM FLOPs must be torch's own FlopCounterMode's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from recipes.benchmarks import cost_model
+from recipes.benchmarks.profile_head import FREE_OPS
+from test_kernels import run_interpreted
+
+pytest.importorskip("triton")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class _Count(TorchDispatchMode):
+    """Op names that launch a kernel: not views or allocations, a conversion counted as its copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1] if func.namespace == "aten" else f"{func.namespace}.{func._schema.name.split('::')[-1]}"
+        if func.namespace != "prim" and name not in FREE_OPS:
+            self.names.append(name)
+        elif name == "_to_copy":
+            self.names.append("copy_")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the parent of test_the_launch_list_is_the_real_steps_trace")
+def test_interpreted_real_step():
+    """This file again, in a child process whose Triton interprets (Triton reads TRITON_INTERPRET at import)."""
+    run_interpreted(__file__)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child (test_interpreted_real_step)")
+def test_the_launch_list_is_the_real_steps_trace():
+    v, d, t = 3000, 48, 64
+    projected = cost_model.project(v, d, t, dtype=torch.float32)  # fake tensors, as at the real shapes
+    step, head, mode = cost_model.default_step(v, d, t, dtype=torch.float32, fake=False)
+    assert mode is None and head.exact_ids is not None and head.config.tail_gradient == "auto"
+    counter = _Count()
+    with counter:
+        step()
+    names = [op["op"] for op in projected["ops"]]
+    assert names == counter.names
+    assert projected["launches"] == len(counter.names)
+    assert sum(n.startswith("hf_midx.") for n in names) == 3  # the fused path: forward, grad_hidden, grad_weight
+    with FlopCounterMode(display=False) as flops:
+        step()
+    gemm = sum(op["flops"] for op in projected["ops"] if op["impl"].startswith("gemm"))
+    assert gemm == flops.get_total_flops() > 0
+    assert {op["part"] for op in projected["ops"]} >= {"draw", "candidate loss", "tail"}
+    assert sum(p["launches"] for p in projected["parts"].values()) == len(names)
+
+
+def _costs(step):
+    return [cost_model.cost(op) for op in cost_model.trace(step)]
+
+
+def test_a_long_bag_and_a_host_sync_are_flagged():
+    v, d = 3 * cost_model.LONG_BAG, 8
+    w = torch.randn(v, d)
+    ids = torch.arange(v)
+    one_bag = _costs(lambda: F.embedding_bag(ids, w, torch.zeros(1, dtype=torch.long), mode="sum"))
+    (bag,) = [x for x in one_bag if x.impl == "embedding_bag"]
+    assert bag.flags and "serial" in bag.flags[0] and f"{v:,}" in bag.flags[0]
+    assert bag.us >= v * cost_model.H200["load_latency_us"]  # its loop: one entry after another
+    short = _costs(lambda: F.embedding_bag(ids, w, torch.arange(0, v, 64), mode="sum"))
+    assert [x.flags for x in short if x.impl == "embedding_bag"] == [[]]
+    syncs = _costs(lambda: (w[:, 0] > 0).nonzero().sum().item())
+    assert [x.op for x in syncs if x.flags] == ["nonzero", "_local_scalar_dense"]
+    assert all(f.startswith("host sync") for x in syncs for f in x.flags)
+    dup = _costs(lambda: torch.zeros(v, d).index_add_(0, torch.zeros(5, dtype=torch.long), torch.ones(5, d)))
+    distinct = _costs(lambda: torch.zeros(v, d).index_add_(0, torch.arange(5), torch.ones(5, d)))
+    assert [x.flags for x in dup if x.impl == "atomics"] == [["atomics: up to 5 adds to one row"]]
+    assert [x.flags for x in distinct if x.impl == "atomics"] == [[]]
+
+
+def test_a_gemm_runs_on_tensor_cores_in_bf16_only():
+    a, b = torch.randn(64, 32), torch.randn(32, 128)
+    (f32,) = _costs(lambda: a @ b)
+    (bf16,) = [x for x in _costs(lambda: a.bfloat16() @ b.bfloat16()) if x.impl.startswith("gemm")]
+    assert f32.flops == bf16.flops == 2 * 64 * 32 * 128
+    assert f32.impl.startswith("gemm (float32, CUDA cores") and bf16.impl == "gemm (tensor cores)"
+    assert f32.us == pytest.approx(max(f32.bytes / cost_model.H200["bandwidth_bytes_s"] * 1e6,
+                                       f32.flops / cost_model.H200["cuda_core_fp32_flops"] * 1e6) + cost_model.H200["launch_us"])  # fmt: skip
+
+
+def test_the_script_writes_its_table(tmp_path):
+    before = os.environ.get("TRITON_INTERPRET")
+    payload = cost_model.main(["--smoke", "--models", "gemma3-270m", "--out", str(tmp_path)])
+    (shape,) = payload["shapes"]
+    assert shape["projected_ms"] == pytest.approx(sum(p["ms"] for p in shape["parts"].values()))
+    assert json.loads((tmp_path / "cost_model.json").read_text())["shapes"][0]["launches"] == shape["launches"]
+    assert "projected speed-up vs CCE" in (tmp_path / "cost_model.md").read_text()
+    assert os.environ.get("TRITON_INTERPRET") == before  # the fake trace's setting is undone
