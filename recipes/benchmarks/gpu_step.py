@@ -145,6 +145,15 @@ def _default_head(weight, counts):
     return hf_midx.MidxLMHead(linear, hf_midx.MidxConfig(seed=0), class_counts=counts)
 
 
+def _projection(head, weight, hidden, labels) -> dict:
+    """The cost model's projection of one step of ``head`` (traced on fake copies of the tensors), or its error:
+    on a copy of the head, since the fake step leaves fake tensors in the state it records (the step data)."""
+    try:
+        return cost_model.project_head(copy.deepcopy(head), weight, hidden, labels)
+    except Exception as err:  # noqa: BLE001 (recorded: the measurement goes on without it)
+        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"}
+
+
 # ============================================================================ sections
 def micro(args, device, dtype, deadline) -> list[dict]:
     """embedding_bag: one bag of V entries, the same sum as a GEMV, the same entries in 1,024 bags."""
@@ -172,14 +181,14 @@ def parts(args, device, dtype, deadline) -> list[dict]:
     t = args.tokens or (64 if args.smoke else 8192)
     counts, weight, hidden, labels = _inputs(v, d, t, device, dtype)
     head = _default_head(weight, counts)
-    projected = cost_model.project_head(copy.deepcopy(head), weight, hidden, labels)  # a copy: the fake step
+    projected = _projection(head, weight, hidden, labels)
 
     def step():
         hidden.grad = weight.grad = None
         head.loss(hidden, labels).backward()
 
     row = _timed("midx-default step", step, device, args, deadline, section="parts", V=v, D=d, T=t,
-                 projected_ms=projected["projected_ms"])  # fmt: skip
+                 projected_ms=projected.get("projected_ms"), projection_error=projected.get("error"))  # fmt: skip
     if "skipped" in row:
         return [row]
     launches = [cost_model.cost(op) for op in cost_model.trace(step, timed=True)]
@@ -213,12 +222,12 @@ def head(args, device, dtype, deadline) -> list[dict]:
             rows.append({**common_rec, "case": "midx-default", "skipped": "the section's deadline passed"})
         else:
             midx = _default_head(weight, counts)
-            # On a copy: the fake step leaves fake tensors in the state it records (the step data).
-            projected = cost_model.project_head(copy.deepcopy(midx), weight, hidden, labels)
-            flags = sorted({f"{x['op']}: {f}" for x in projected["flagged"] for f in x["flags"]})
+            projected = _projection(midx, weight, hidden, labels)
+            flags = sorted({f"{x['op']}: {f}" for x in projected.get("flagged", []) for f in x["flags"]})
             rows.append(_timed("midx-default", lambda: (clear(), midx.loss(hidden, labels).backward()), device, args,
-                               deadline, clear, **common_rec, projected_ms=projected["projected_ms"],
-                               projected_parts={p: x["ms"] for p, x in projected["parts"].items()}, flags=flags))  # fmt: skip
+                               deadline, clear, **common_rec, projected_ms=projected.get("projected_ms"),
+                               projected_parts={p: x["ms"] for p, x in projected.get("parts", {}).items()}, flags=flags,
+                               projection_error=projected.get("error")))  # fmt: skip
             midx = None
         for name in COMPETITORS:
             fn, why, version = kernels[name]

@@ -2,15 +2,16 @@
 # The default head's step on one GPU against Cut Cross-Entropy, Liger, torch's F.linear_cross_entropy and TRL's
 # chunked loss, with the cost model's projection beside each hf_midx row (recipes/benchmarks/gpu_step.py), in one
 # call that fits a 10-minute window: each section a process of its own under `timeout`, the most telling first:
-#   micro (embedding_bag, one bag of V against a GEMV)  MICRO_TIMEOUT   40 s
-#   parts (the default step, each launch timed by part)  PARTS_TIMEOUT   60 s
-#   head  (4 LLM head shapes + V = 1,048,576, D = 1,024) HEAD_TIMEOUT   240 s  (its cases stop at 200 s)
-#   train (a Gemma-3-270M-sized step, body compiled)     TRAIN_TIMEOUT  180 s  (its cases stop at 150 s)
+#   micro (embedding_bag, one bag of V against a GEMV)  MICRO_TIMEOUT   30 s
+#   parts (the default step, each launch timed by part)  PARTS_TIMEOUT   50 s
+#   head  (4 LLM head shapes + V = 1,048,576, D = 1,024) HEAD_TIMEOUT   220 s  (its cases stop at 180 s)
+#   train (a Gemma-3-270M-sized step, body compiled)     TRAIN_TIMEOUT  150 s  (its cases stop at 120 s)
 #   merge (gpu_step.json and gpu_step.md)
-# about 9 minutes at most. Results: $RESULTS (default recipes/benchmarks/results/<device>/, e.g. h200), one JSON per
-# section, then gpu_step.json / .md. Wheels: without a registry the competitors come from .gpu_wheels/
-# (recipes/benchmarks/gpu_wheels.sh fills it where PyPI is reachable; carry it), installed with --no-index into
-# /tmp/gpu_step_site, each only where the machine lacks it and it then imports. DEVICE=cpu runs a tiny smoke version
+# 7.5 minutes at most, plus the wheels' install and the merge. Results: $RESULTS (default
+# recipes/benchmarks/results/<device>/, e.g. h200), one JSON and log per section, then gpu_step.json / .md.
+# Wheels: without a registry the competitors come from .gpu_wheels/ (recipes/benchmarks/gpu_wheels.sh fills it
+# where PyPI is reachable; carry it), installed with --no-index into /tmp/gpu_step_site, each only where the
+# machine lacks it and it then imports. DEVICE=cpu runs a tiny smoke version
 # (seconds; tests/test_gpu_step.py); SECTIONS="micro head" runs only those (then merges).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -54,10 +55,10 @@ section() {  # name, time limit (s), extra flags
 }
 for name in ${SECTIONS:-micro parts head train}; do
   case "$name" in
-    micro) section micro "${MICRO_TIMEOUT:-40}" ;;
-    parts) section parts "${PARTS_TIMEOUT:-60}" ;;
-    head) section head "${HEAD_TIMEOUT:-240}" --deadline_s "${HEAD_DEADLINE:-200}" ;;
-    train) section train "${TRAIN_TIMEOUT:-180}" --deadline_s "${TRAIN_DEADLINE:-150}" ;;
+    micro) section micro "${MICRO_TIMEOUT:-30}" ;;
+    parts) section parts "${PARTS_TIMEOUT:-50}" ;;
+    head) section head "${HEAD_TIMEOUT:-220}" --deadline_s "${HEAD_DEADLINE:-180}" ;;
+    train) section train "${TRAIN_TIMEOUT:-150}" --deadline_s "${TRAIN_DEADLINE:-120}" ;;
     *) echo "unknown section '$name' (micro parts head train)" >&2; status=1 ;;
   esac
 done
