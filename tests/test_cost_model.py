@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from recipes.benchmarks import cost_model
 from recipes.benchmarks.profile_head import FREE_OPS
-from test_kernels import run_interpreted
+from _env import REPO, offline_env
 
 pytest.importorskip("triton")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -44,8 +46,12 @@ class _Count(TorchDispatchMode):
 
 @pytest.mark.skipif(INTERPRETED, reason="the parent of test_the_launch_list_is_the_real_steps_trace")
 def test_interpreted_real_step():
-    """This file again, in a child process whose Triton interprets (Triton reads TRITON_INTERPRET at import)."""
-    run_interpreted(__file__)
+    """The next test, in a child process whose Triton interprets (Triton reads TRITON_INTERPRET at import)."""
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_the_launch_list_is_the_real_steps_trace"],
+        cwd=REPO, env=offline_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert child.returncode == 0 and "1 passed" in child.stdout, child.stdout[-6000:] + child.stderr[-2000:]
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child (test_interpreted_real_step)")
@@ -55,14 +61,12 @@ def test_the_launch_list_is_the_real_steps_trace():
     step, head, mode = cost_model.default_step(v, d, t, dtype=torch.float32, fake=False)
     assert mode is None and head.exact_ids is not None and head.config.tail_gradient == "auto"
     counter = _Count()
-    with counter:
+    with FlopCounterMode(display=False) as flops, counter:
         step()
     names = [op["op"] for op in projected["ops"]]
     assert names == counter.names
     assert projected["launches"] == len(counter.names)
     assert sum(n.startswith("hf_midx.") for n in names) == 3  # the fused path: forward, grad_hidden, grad_weight
-    with FlopCounterMode(display=False) as flops:
-        step()
     gemm = sum(op["flops"] for op in projected["ops"] if op["impl"].startswith("gemm"))
     assert gemm == flops.get_total_flops() > 0
     assert {op["part"] for op in projected["ops"]} >= {"draw", "candidate loss", "tail"}
