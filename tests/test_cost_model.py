@@ -36,7 +36,8 @@ class _Count(TorchDispatchMode):
         self.names = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1] if func.namespace == "aten" else f"{func.namespace}.{func._schema.name.split('::')[-1]}"
+        name = func._schema.name.split("::")[-1]
+        name = name if func.namespace == "aten" else f"{func.namespace}.{name}"
         if func.namespace != "prim" and name not in FREE_OPS:
             self.names.append(name)
         elif name == "_to_copy":
@@ -94,6 +95,16 @@ def test_a_long_bag_and_a_host_sync_are_flagged():
     distinct = _costs(lambda: torch.zeros(v, d).index_add_(0, torch.arange(5), torch.ones(5, d)))
     assert [x.flags for x in dup if x.impl == "atomics"] == [["atomics: up to 5 adds to one row"]]
     assert [x.flags for x in distinct if x.impl == "atomics"] == [[]]
+
+
+def test_a_host_sync_under_fake_tensors_says_so():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode:
+        x = torch.empty(16)
+    with pytest.raises(ValueError, match="reads a result back to the host"):
+        cost_model.trace(lambda: x.nonzero(), mode)
 
 
 def test_a_gemm_runs_on_tensor_cores_in_bf16_only():

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 if __package__:
@@ -188,7 +189,14 @@ class OpTrace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         start = self._mark() if self.timed else None
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException) as err:
+            raise ValueError(
+                f"{func} needs the data under FakeTensorMode: on a GPU it reads a result back to the host (a sync) or "
+                f"makes a data-dependent shape, at {_where_live(self.package) or 'autograd'}. Take it off the step's "
+                "path, or trace the step for real at a small shape (cost_model.head_step(..., fake=False))."
+            ) from err
         end = self._mark() if self.timed else None
         name = _op_name(func)
         if func.namespace == "prim" or name in FREE_OPS and name != "_to_copy":
@@ -294,7 +302,9 @@ def _longest_bag(a: dict) -> int | None:
     if _is_fake(offsets) or _is_fake(indices):
         return None
     with _disable_current_modes():  # else these ops would go to the FakeTensorMode below the recorder
-        ends = offsets.long() if a.get("include_last_offset") else torch.cat([offsets.long(), offsets.new_full((1,), indices.shape[0]).long()])
+        ends = offsets.long()
+        if not a.get("include_last_offset"):
+            ends = torch.cat([ends, ends.new_full((1,), indices.shape[0])])
         return int((ends[1:] - ends[:-1]).max()) if ends.numel() > 1 else 0
 
 
@@ -310,12 +320,14 @@ def _triton_cost(name: str, a: dict) -> tuple[int, int, int, str]:
         # The exact head's (T, H) float32 logits are read twice (the logsumexp, then the gradient) and their
         # gradient written once; the candidates' rows are gathered, D-dot products on CUDA cores.
         head_bytes = 3 * _nbytes(head[0]) if head else 0
-        return gathered + _unique_bytes(small) + head_bytes, 0, 2 * t * r * d, f"gathers T x R = {t} x {r} rows of D = {d}"
+        note = f"gathers T x R = {t} x {r} rows of D = {d}"
+        return gathered + _unique_bytes(small) + head_bytes, 0, 2 * t * r * d, note
     if name == "hf_midx.candidate_grad_hidden":
         t, d = a["out"].shape
         r = a["rows"].shape[1]
         rest = [a["rows"], a["g_cand"], a["out"]] + ([a["base"]] if a.get("base") is not None else [])
-        return t * r * d * a["weight"].element_size() + _unique_bytes(rest), 0, 2 * t * r * d, f"gathers T x R = {t} x {r} rows"
+        gathered = t * r * d * a["weight"].element_size()
+        return gathered + _unique_bytes(rest), 0, 2 * t * r * d, f"gathers T x R = {t} x {r} rows"
     if name == "hf_midx.candidate_grad_weight":
         v, d = a["grad_weight"].shape
         pairs = a["keys"].numel()
@@ -323,7 +335,8 @@ def _triton_cost(name: str, a: dict) -> tuple[int, int, int, str]:
         # over its pairs, so 2 * 64 FLOPs per pair and feature (on CUDA cores), plus the (V, D) write.
         rows = pairs * d * a["hidden"].element_size()
         rest = [a["keys"], a["order"], a["g_cand"], a["grad_weight"]]
-        return rows + _unique_bytes(rest), 0, 2 * 64 * pairs * d, f"{pairs} (token, class) pairs; writes (V, D) = ({v}, {d})"
+        note = f"{pairs} (token, class) pairs; writes (V, D) = ({v}, {d})"
+        return rows + _unique_bytes(rest), 0, 2 * 64 * pairs * d, note
     return _unique_bytes(_tensors(a)), 0, 0, "unmodelled Triton op: the bytes of its arguments only"
 
 
@@ -358,7 +371,8 @@ def part_of(where: str) -> str:
 
 
 def _shapes(args: dict) -> str:
-    cells = [f"{k}{list(v.shape)}:{str(v.dtype).replace('torch.', '')}" for k, v in args.items() if isinstance(v, TensorMeta)]
+    cells = (f"{k}{list(v.shape)}:{str(v.dtype).replace('torch.', '')}" for k, v in args.items()
+             if isinstance(v, TensorMeta))  # fmt: skip
     return ", ".join(cells)
 
 
@@ -571,7 +585,8 @@ def render(shapes: list[dict], machine: dict, settings: dict, env: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--out", default="recipes/benchmarks/results/cost_model", help="folder for cost_model.json and .md")
     p.add_argument("--models", nargs="+", default=list(ISSUE_ORDER), choices=list(common.MODEL_SHAPES))
     p.add_argument("--tokens", type=int, default=8192, help="T")

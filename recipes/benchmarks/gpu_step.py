@@ -72,7 +72,7 @@ def competitors(device: torch.device) -> dict[str, tuple]:
         try:
             out[name] = (make(), None, common._version(dist))
         except Exception as err:  # noqa: BLE001 (recorded: the comparison goes on)
-            out[name] = (None, f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}", common._version(dist))
+            out[name] = (None, _why(err), common._version(dist))
 
     def cce():
         from cut_cross_entropy import linear_cross_entropy  # noqa: PLC0415
@@ -104,6 +104,11 @@ def competitors(device: torch.device) -> dict[str, tuple]:
     attempt("torch-lce", torch_lce, "torch", False)
     attempt("trl-chunked", trl_chunked, "trl", False)
     return out
+
+
+def _why(err: Exception) -> str:
+    """An error in one line: its type and the first 160 characters of its message."""
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
 
 
 class Deadline:
@@ -151,21 +156,23 @@ def _projection(head, weight, hidden, labels) -> dict:
     try:
         return cost_model.project_head(copy.deepcopy(head), weight, hidden, labels)
     except Exception as err:  # noqa: BLE001 (recorded: the measurement goes on without it)
-        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"}
+        return {"error": _why(err)}
 
 
 # ============================================================================ sections
 def micro(args, device, dtype, deadline) -> list[dict]:
     """embedding_bag: one bag of V entries, the same sum as a GEMV, the same entries in 1,024 bags."""
-    shapes = [(2 * cost_model.LONG_BAG, 32)] if args.smoke else [common.MODEL_SHAPES["gemma3-270m"], common.MODEL_SHAPES["llama3-8b"]]
+    shapes = [common.MODEL_SHAPES[m] for m in ("gemma3-270m", "llama3-8b")]
+    if args.smoke:
+        shapes = [(2 * cost_model.LONG_BAG, 32)]
     rows = []
     for v, d in shapes:
         w = torch.randn(v, d, device=device, dtype=dtype)
         ids = torch.arange(v, device=device)
         coef = torch.rand(v, device=device, dtype=dtype)
-        cases = {"embedding_bag, one bag of V": lambda: F.embedding_bag(ids, w, ids[:1] * 0, mode="sum", per_sample_weights=coef),
-                 "embedding_bag, 1,024 bags": lambda: F.embedding_bag(ids, w, torch.arange(0, v, v // 1024, device=device),
-                                                                      mode="sum", per_sample_weights=coef),
+        one, many = ids[:1] * 0, torch.arange(0, v, v // 1024, device=device)  # offsets: 1 bag, 1,024 bags
+        cases = {"embedding_bag, one bag of V": lambda: F.embedding_bag(ids, w, one, mode="sum", per_sample_weights=coef),
+                 "embedding_bag, 1,024 bags": lambda: F.embedding_bag(ids, w, many, mode="sum", per_sample_weights=coef),
                  "GEMV (coef @ W)": lambda: coef.unsqueeze(0) @ w}  # fmt: skip
         for label, fn in cases.items():
             launches = [cost_model.cost(op) for op in cost_model.trace(fn)]
@@ -273,7 +280,8 @@ def train(args, device, dtype, deadline) -> list[dict]:
     def exact(fn):
         def loss_of(x):
             hidden = decoder(input_ids=x, attention_mask=torch.ones_like(x)).last_hidden_state
-            return fn(hidden[:, :-1].reshape(-1, hidden.shape[-1]).to(out_weight.dtype), out_weight, x[:, 1:].reshape(-1))
+            h = hidden[:, :-1].reshape(-1, hidden.shape[-1]).to(out_weight.dtype)
+            return fn(h, out_weight, x[:, 1:].reshape(-1))
 
         return loss_of
 
@@ -331,7 +339,8 @@ def merge(out: Path) -> dict:
     cols = [("section", "section"), ("model", lambda r: r.get("model", "-")), ("V x D", lambda r: f"{r['V']:,} x {r.get('D', '-')}"),
             ("case", "case"), ("median", lambda r: common.fmt_ms(r.get("ms")) if "ms" in r else f"skipped: {r['skipped']}"),
             ("projected", lambda r: common.fmt_ms(r.get("projected_ms"))),
-            ("measured / projected", lambda r: common.fmt_ratio(r["ms"] / r["projected_ms"], 2) if r.get("ms") and r.get("projected_ms") else "-"),
+            ("measured / projected", lambda r: common.fmt_ratio(r["ms"] / r["projected_ms"], 2)
+             if r.get("ms") and r.get("projected_ms") else "-"),
             ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "-"),
             ("flags", lambda r: "; ".join(r.get("flags") or []) or "-")]  # fmt: skip
     md = common.report("The default head's step on one GPU, against the exact fused losses", env,
