@@ -5,7 +5,7 @@ head (``MidxLMHead`` as ``MidxConfig(kernels="fused")`` builds it with class cou
 device the trace runs on; forward + backward) is traced by a ``TorchDispatchMode`` (``torch.utils._python_dispatch``,
 torch's documented way to see every op below autograd with its arguments): each ATen op that launches a kernel
 (views, allocations and no-op conversions left out, as ``profile_head.count_ops`` leaves them out), and the
-project's Triton launches (the custom ops ``torch.ops.hf_midx.*`` of ``hf_midx/kernels/launch.py``) as single ops.
+project's Triton launches (the custom ops ``torch.ops.hf_midx.*`` of ``hf_midx/losses/kernels/launch.py``) as single ops.
 
 At the real shapes the step runs under ``FakeTensorMode``: the weight, hidden states and labels are fake
 (shapes and dtypes, no data), so that a Llama-3-8B head at T = 8,192 costs no memory nor time; the sampler's
@@ -310,7 +310,7 @@ def _longest_bag(a: dict) -> int | None:
 
 def _triton_cost(name: str, a: dict) -> tuple[int, int, int, str]:
     """(bytes, tensor-core FLOPs, CUDA-core FLOPs, note) of a launch of the project's Triton ops, from their
-    arguments' shapes (hf_midx/kernels/launch.py gives the arguments; _candidate_triton.py the loops)."""
+    arguments' shapes (hf_midx/losses/kernels/launch.py gives the arguments; _candidate_triton.py the loops)."""
     if name == "hf_midx.candidate_forward":
         t, d = a["hidden"].shape
         r = a["rows"].shape[1]  # the label and the M negatives
