@@ -330,13 +330,18 @@ def _triton_cost(name: str, a: dict) -> tuple[int, int, int, str]:
         return gathered + _unique_bytes(rest), 0, 2 * t * r * d, f"gathers T x R = {t} x {r} rows"
     if name == "hf_midx.candidate_grad_weight":
         v, d = a["grad_weight"].shape
-        pairs = a["keys"].numel()
-        # One program per (64 classes x 32 features) tile: a one-hot (64 x P) x (P x 32) IEEE float32 product
-        # over its pairs, so 2 * 64 FLOPs per pair and feature (on CUDA cores), plus the (V, D) write.
+        pairs = a["order"].numel()
+        # One program per block of classes over all of D: each class's run of sorted (t, r) pairs walked once
+        # (a hidden row gathered and one fma per pair and feature, on CUDA cores), each (V, D) row written once,
+        # started at the tail's spread (each class reads its bucket's row of the (B + 1, D) table gradient, which
+        # stays in L2, and its static row). Not modelled: a class with a long run is one program's serial walk
+        # (the exact head takes the most frequent labels; the draws' repeats are unknown under fake tensors).
         rows = pairs * d * a["hidden"].element_size()
-        rest = [a["keys"], a["order"], a["g_cand"], a["grad_weight"]]
-        note = f"{pairs} (token, class) pairs; writes (V, D) = ({v}, {d})"
-        return rows + _unique_bytes(rest), 0, 2 * 64 * pairs * d, note
+        rest = [x for k in ("order", "starts", "g_cand", "grad_weight", "grad_bias", "grad_table", "bucket", "member",
+                            "static") if isinstance(x := a.get(k), TensorMeta)]
+        spread = 4 * v * d if isinstance(a.get("grad_table"), TensorMeta) else 0
+        note = f"{pairs} (token, class) pairs; writes (V, D) = ({v}, {d}) once" + (", with the tail's spread" if spread else "")
+        return rows + _unique_bytes(rest), 0, 2 * pairs * d + spread, note
     return _unique_bytes(_tensors(a)), 0, 0, "unmodelled Triton op: the bytes of its arguments only"
 
 
@@ -360,8 +365,8 @@ class Launch:
 
 
 #: The parts of a step, by the hf_midx file an op ran in (first match); anything else in hf_midx is bookkeeping.
-PARTS = (("draw", ("samplers/", "rng.py", "index.py", "quantizers.py")), ("tail", ("tail_gradient.py",)),
-         ("candidate loss", ("candidate_logits.py", "kernels/", "loss.py", "exact_head.py")))  # fmt: skip
+PARTS = (("draw", ("samplers/", "rng.py", "indexing/")), ("tail", ("losses/tail_gradient.py",)),
+         ("candidate loss", ("losses/",)))  # fmt: skip
 
 
 def part_of(where: str) -> str:
