@@ -24,7 +24,7 @@ from ..losses.exact_head import exact_head_ids
 from ..losses import full_softmax_loss, sampled_softmax_loss
 from ..registry import build_sampler  # any hf_midx import runs hf_midx/__init__, which registers the samplers
 from .step_data import StepData
-from .zero import full_shape
+from .zero import check_whole, full_shape
 
 logger = logging.getLogger(__name__)
 
@@ -170,8 +170,8 @@ class MidxLMHead(nn.Module):
         """
         h = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1).to(device=h.device, dtype=torch.long)
-        if weight is None:
-            weight, bias = self.weight, self.bias
+        weight, bias = (self.weight, self.bias) if weight is None else (weight, bias)
+        check_whole(weight)  # a ZeRO-3 slice outside the engine's forward: one clear error
         if reduction is None:
             reduction = "mean" if num_items_in_batch is None else "sum"
         # The loss runs in the head weight's precision; autocast would recast inside the kernels.

@@ -35,6 +35,17 @@ def local_part(param: torch.Tensor) -> torch.Tensor:
     return param.ds_tensor if is_partitioned(param) and getattr(param, "ds_tensor", None) is not None else param
 
 
+def check_whole(weight: torch.Tensor) -> None:
+    """A ValueError for a (V, D) head weight that is a ZeRO-3 slice: DeepSpeed gathers it only inside the
+    engine's forward (and :func:`gathered`), so a loss computed elsewhere (a custom loop) would read the slice."""
+    if weight.dim() != 2:
+        raise ValueError(
+            f"The head's weight is a partitioned slice of shape {tuple(weight.shape)} (DeepSpeed ZeRO-3): compute "
+            "the loss inside the model's forward, within deepspeed.zero.GatheredParameters([head.weight]), or pass "
+            "the full weight= (and bias=)."
+        )
+
+
 @contextlib.contextmanager
 def gathered(params: Iterable[torch.Tensor | None]) -> Iterator[None]:
     """Within this context the ZeRO-3 parameters among ``params`` hold their full data (read only: changes
@@ -50,4 +61,4 @@ def gathered(params: Iterable[torch.Tensor | None]) -> Iterator[None]:
         yield
 
 
-__all__ = ["full_shape", "gathered", "is_partitioned", "local_part"]
+__all__ = ["check_whole", "full_shape", "gathered", "is_partitioned", "local_part"]

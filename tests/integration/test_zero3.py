@@ -108,3 +108,6 @@ def test_the_head_keeps_its_sizes_when_its_weight_is_a_slice():
     head.weight.data = torch.empty(0)
     assert (head.num_classes, head.in_features, head.out_features) == (400, 32, 400)
     assert "in_features=32, out_features=400" in repr(model)
+    # A custom loop calling the loss outside the engine's forward (where DeepSpeed gathers it): one clear error.
+    with pytest.raises(ValueError, match="partitioned slice of shape \\(0,\\).*GatheredParameters"):
+        head.loss(torch.randn(4, 32), torch.randint(400, (4,)))
