@@ -16,7 +16,7 @@ from .._ops import soft_cap
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def _validate(hidden, weight, labels, bias, ignore_index, reduction, check_labels):
+def check_loss_inputs(hidden, weight, labels, bias, ignore_index, reduction, check_labels):
     """Shapes and types (no device sync); the label values too when ``check_labels`` (one sync)."""
     check_matrix("hidden", hidden, finite=False)
     check_matrix("weight", weight, dim=hidden.shape[1], finite=False)
@@ -35,14 +35,14 @@ def _validate(hidden, weight, labels, bias, ignore_index, reduction, check_label
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}.")
 
 
-def _labels_in_range(labels: torch.Tensor, num_classes: int) -> None:
+def assert_labels_in_range(labels: torch.Tensor, num_classes: int) -> None:
     """A device-side assertion on (T,) labels (ignored ones already replaced by a class): fails the step (at the
     next sync) instead of reading labels back now."""
     ok = (labels.clamp(0, num_classes - 1) == labels).all()
     torch._assert_async(ok, f"labels outside [0, {num_classes}) reached the MIDX loss")
 
 
-def _reduce(per_token: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+def reduce_tokens(per_token: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
     """per_token: (T,) float32, already 0 at ignored tokens; valid: (T,) bool."""
     if reduction == "none":
         return per_token
@@ -78,9 +78,9 @@ def full_softmax_loss(
     Returns:
         float32 scalar ("mean"/"sum") or (T,) ("none").
     """
-    _validate(hidden, weight, labels, bias, ignore_index, reduction, check_labels)
+    check_loss_inputs(hidden, weight, labels, bias, ignore_index, reduction, check_labels)
     if not check_labels:
-        _labels_in_range(labels.masked_fill(labels == ignore_index, 0), weight.shape[0])
+        assert_labels_in_range(labels.masked_fill(labels == ignore_index, 0), weight.shape[0])
     labels = labels.long()  # cross_entropy (and the chunked path) need int64 targets; int32 ids are common
     if logit_softcap is None and hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
         # float32 inputs: torch reduces inside its chunked kernel ("sum": no per-token backward
@@ -102,7 +102,7 @@ def full_softmax_loss(
         ).float()
     else:
         per_token = _chunked_ce(hidden, weight, bias, labels, ignore_index, logit_softcap, chunk_size)
-    return _reduce(per_token, labels != ignore_index, reduction)  # the fused 0-dim sum passes through .sum()
+    return reduce_tokens(per_token, labels != ignore_index, reduction)  # the fused 0-dim sum passes through .sum()
 
 
 def _token_chunk(num_classes: int, chunk_size: int | None) -> int:
@@ -134,3 +134,6 @@ def _chunked_ce(hidden, weight, bias, labels, ignore_index, logit_softcap, chunk
 def _chunk_ce(hidden, weight, bias, labels, ignore_index, cap):
     logits = F.linear(hidden, weight, bias).float()
     return F.cross_entropy(soft_cap(logits, cap), labels, ignore_index=ignore_index, reduction="none")
+
+
+__all__ = ["REDUCTIONS", "assert_labels_in_range", "check_loss_inputs", "full_softmax_loss", "reduce_tokens"]

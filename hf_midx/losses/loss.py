@@ -49,7 +49,7 @@ from .._checks import check_ids, check_positive_int
 from .._ops import soft_cap
 from .candidate_logits import candidate_logits, sampled_softmax_terms
 from ..defaults import ESTIMATORS, KERNEL_MODES, NEGATIVE_MODES  # noqa: F401 (the label's logit; the negatives)
-from .full import _labels_in_range, _reduce, _validate
+from .full import assert_labels_in_range, check_loss_inputs, reduce_tokens
 from .tail_gradient import asks_closed_form, check_closed_form, expected_share
 
 def drops_accidental_hits(remove_accidental_hits: bool | None, estimator: str) -> bool:
@@ -147,7 +147,7 @@ def sampled_softmax_loss(
     # Ignored tokens get label 0: they are scored like any token, then masked out of the reduction.
     y = (labels * valid).long()
     if not check_labels:
-        _labels_in_range(y, weight.shape[0])
+        assert_labels_in_range(y, weight.shape[0])
     corrected = estimator == "corrected-positive"
     drops = drops_accidental_hits(remove_accidental_hits, estimator)
     expected = asks_closed_form(tail_gradient, negatives, drops, logit_softcap)
@@ -185,7 +185,7 @@ def sampled_softmax_loss(
     per_token, share = sampled_softmax_terms(head, cand, adj, target_adj, value_adj, valid, factors is not None)
     if factors is not None:  # the draws gave their share back; each tail class gets its expected part
         per_token = expected_share(per_token, share, factors, hidden, weight, bias, table=table[0])
-    return _reduce(per_token, valid, reduction)
+    return reduce_tokens(per_token, valid, reduction)
 
 
 def _check_options(hidden, weight, labels, sampler, num_samples, *, bias, negatives, ignore_index,
@@ -195,7 +195,7 @@ def _check_options(hidden, weight, labels, sampler, num_samples, *, bias, negati
     (False under ``torch.compile``)."""
     if check_labels and torch.compiler.is_compiling():
         check_labels = False  # a host read would break the graph: the asynchronous check runs instead
-    _validate(hidden, weight, labels, bias, ignore_index, reduction, check_labels)
+    check_loss_inputs(hidden, weight, labels, bias, ignore_index, reduction, check_labels)
     check_positive_int("num_samples", num_samples)
     if negatives not in NEGATIVE_MODES:
         raise ValueError(f"negatives must be one of {NEGATIVE_MODES}, got {negatives!r}.")

@@ -46,8 +46,9 @@ import math
 
 import torch
 
-# Importing launch registers the kernels' launches as torch.ops.hf_midx custom ops.
 from ..tail_gradient import bucket_rows, bucket_table
+
+# Importing launch registers the kernels' launches as torch.ops.hf_midx custom ops.
 from .launch import _cdiv, _pow2, triton_available, triton_interpreting
 
 REDUCTIONS = ("mean", "sum", "none")
