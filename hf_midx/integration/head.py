@@ -20,6 +20,7 @@ from torch import nn
 
 from ..config import MidxConfig
 from .diagnostics import proposal_diagnostics
+from .kernel_guard import KernelGuard
 from ..losses.exact_head import exact_head_ids
 from ..losses import full_softmax_loss, sampled_softmax_loss
 from ..registry import build_sampler  # any hf_midx import runs hf_midx/__init__, which registers the samplers
@@ -43,6 +44,7 @@ class MidxLMHead(nn.Module):
         logit_scale: the host's logit factor (Cohere's ``logit_scale``, 1 / Granite's ``logits_scaling``) or 1.0.
         exact_ids: (H,) int64 ids of the exact head (:mod:`hf_midx.losses.exact_head`), scored exactly for each token, or None.
         step_data: the :class:`~hf_midx.integration.step_data.StepData` of the sampled :meth:`loss` calls, for the callback.
+        kernel_guard: the :class:`~hf_midx.integration.kernel_guard.KernelGuard` of ``kernels="auto"``'s first call.
         binding: the :class:`~hf_midx.integration.binding.HostBinding` that put this head in a model, or None.
             :meth:`forward` offers it its input; where the binding keeps it, forward returns (B, S, 0).
     """
@@ -60,6 +62,7 @@ class MidxLMHead(nn.Module):
         self.logit_softcap, self.logit_scale, self.binding = logit_softcap, float(logit_scale), None
         self.step_data = StepData(config.kl_queries, self.weight.device)
         self._class_counts, self._exact_depth = class_counts, 0
+        self.kernel_guard = KernelGuard()  # "auto"'s first call on each device
         self.exact_ids: torch.Tensor | None = exact_head_ids(config.exact_head, class_counts, self.num_classes)
         self.sampler = self._build_sampler(self.weight)  # a hf_midx.Sampler (no import: the head stays below them)
         # What is in use, for midx_config.json and the model card: without class counts there is no exact head,
@@ -186,10 +189,11 @@ class MidxLMHead(nn.Module):
                 loss = full_softmax_loss(h, weight, y, **options)
             else:
                 cfg, sampler = self.config, self._sampler_on(weight.device)
+                kernels = self.kernel_guard.kernels(cfg, sampler, weight, bias, self.logit_softcap)
                 loss = sampled_softmax_loss(
                     h, weight, y, sampler, cfg.num_samples, negatives=cfg.negatives,
                     remove_accidental_hits=cfg.remove_accidental_hits, check_labels=False, estimator=cfg.estimator,
-                    exact_ids=sampler.excluded, kernels=cfg.kernels, tail_gradient=cfg.tail_gradient,
+                    exact_ids=sampler.excluded, kernels=kernels, tail_gradient=cfg.tail_gradient,
                     **options,  # excluded: on the sampler's device
                 )
                 self.step_data.record(raw, y, ignore_index, loss)
