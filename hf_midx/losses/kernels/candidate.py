@@ -58,8 +58,9 @@ BACKENDS = ("auto", "fused", "eager")
 @dataclasses.dataclass(frozen=True)
 class Blocks:
     """Tile sizes of the fused kernels (powers of two; tokens ``t``, dims ``d``, head columns ``h``; for the
-    weight gradient, classes ``v`` per program, pairs ``p`` of each class per step and dims ``vd`` per tile)
-    and warps per program."""
+    weight gradient, classes ``v`` per program, pairs ``p`` of each class per step and dims ``vd`` per tile),
+    warps per program, and the registers a thread of the forward and weight-gradient kernels may use (ptxas's
+    ``maxnreg``, ignored by the interpreter)."""
 
     t: int
     d: int
@@ -68,6 +69,11 @@ class Blocks:
     p: int
     warps: int = 8
     vd: int = 32
+    # Left to itself, ptxas (CUDA 12.9 / 13.4, as Triton 3.9 bundles them) gives these kernels 64 registers at 8
+    # warps and spills 8 B a thread at two of the default path's builds (the soft-capped forward on sm_90 to sm_120,
+    # the weight gradient on sm_80); at most 80 it takes 78-80 and spills none, 3 programs an SM
+    # (recipes/benchmarks/results/kernel-builds/, not timed on a GPU).
+    registers: int = 80
 
     @classmethod
     def choose(cls, num_tokens: int, dim: int, rows: int, interpreted: bool) -> "Blocks":
@@ -133,7 +139,7 @@ class FusedCandidateLoss(torch.autograd.Function):
         torch.ops.hf_midx.candidate_forward(
             hidden, weight, bias, labels, ids, log_q, log_q_pos, head_ids, head_raw, g_head,
             per_token, stats, rows, g_cand, share,
-            [int(ignore_index), blocks.t, blocks.d, min(blocks.h, _pow2(num_head)), blocks.warps],
+            [int(ignore_index), blocks.t, blocks.d, min(blocks.h, _pow2(num_head)), blocks.warps, blocks.registers],
             [float(logit_scale), float(logit_softcap or 1.0)],
             # The paper's estimator with the hits dropped is the value estimate already.
             [logit_softcap is not None, corrected, drop_hits, exact_value and (corrected or not drop_hits)],
@@ -195,7 +201,7 @@ class FusedCandidateLoss(torch.autograd.Function):
                 grad_table = bucket = member = static = None
             torch.ops.hf_midx.candidate_grad_weight(
                 hidden, order, starts, g_cand, gscale, grad_table, bucket, member, static, grad_weight, grad_bias,
-                [blocks.v, blocks.p, blocks.vd, blocks.warps],
+                [blocks.v, blocks.p, blocks.vd, blocks.warps, blocks.registers],
             )
             if ctx.num_head:
                 # Head ids are distinct: index_add_ adds each row once, deterministically.

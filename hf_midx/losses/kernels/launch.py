@@ -77,10 +77,10 @@ def candidate_forward(
     per_token: Tensor, stats: Tensor, rows: Tensor, g_cand: Tensor, share: Tensor | None,
     ints: list[int], floats: list[float], flags: list[bool],
 ) -> None:
-    """The forward kernel: ints = [ignore_index, BLOCK_T, BLOCK_D, BLOCK_H, warps], floats = [scale, cap],
+    """The forward kernel: ints = [ignore_index, BLOCK_T, BLOCK_D, BLOCK_H, warps, registers], floats = [scale, cap],
     flags = [has softcap, corrected, drop hits, exact value]. The head's logit gradient goes into ``g_head``,
     or over ``head_raw`` where it is None (both float32). With ``share`` (T,) float32, the tail control."""
-    ignore_index, block_t, block_d, block_h, warps = ints
+    ignore_index, block_t, block_d, block_h, warps, registers = ints
     softcap, corrected, drop_hits, exact_value = flags
     num_tokens, dim = hidden.shape
     m = ids.shape[1]
@@ -98,7 +98,7 @@ def candidate_forward(
         ignore_index, floats[0], floats[1],
         HAS_BIAS=bias is not None, SOFTCAP=softcap, CORRECTED=corrected, DROP_HITS=drop_hits,
         EXACT_VALUE=exact_value, TAIL_CONTROL=share is not None, SEARCH_STEPS=max(0, num_head).bit_length(),
-        BLOCK_T=block_t, BLOCK_R=_pow2(m + 1), BLOCK_D=block_d, BLOCK_H=block_h, num_warps=warps,
+        BLOCK_T=block_t, BLOCK_R=_pow2(m + 1), BLOCK_D=block_d, BLOCK_H=block_h, num_warps=warps, maxnreg=registers,
     )
 
 
@@ -137,8 +137,8 @@ def candidate_grad_weight(
 ) -> None:
     """Every row of grad_weight (and grad_bias) from the (t, r) pairs sorted by class (``order``, each class's run
     from ``starts`` (V + 1,)), each row started at the tail's spread of ``grad_table`` (B + 1, D) float32 when given
-    (``bucket``, ``member``, ``static`` (V,); static may be None); ints = [BLOCK_V, BLOCK_P, BLOCK_D, warps]."""
-    block_v, block_p, block_d, warps = ints
+    (``bucket``, ``member``, ``static`` (V,); static may be None); ints = [BLOCK_V, BLOCK_P, BLOCK_D, warps, registers]."""
+    block_v, block_p, block_d, warps, registers = ints
     num_classes, dim = grad_weight.shape
     if max(g_cand.numel(), hidden.shape[0] * hidden.stride(0)) >= 1 << 31:
         raise ValueError(
@@ -155,7 +155,7 @@ def candidate_grad_weight(
         hidden.stride(0), gscale.stride(0) if gscale.dim() else 0, grad_table.stride(0) if has_table else 0,
         grad_weight.stride(0),
         HAS_BIAS=grad_bias is not None, HAS_TABLE=has_table, HAS_STATIC=has_table and static is not None,
-        BLOCK_V=block_v, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=warps,
+        BLOCK_V=block_v, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=warps, maxnreg=registers,
     )
 
 
