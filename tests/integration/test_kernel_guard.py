@@ -17,6 +17,8 @@ import torch
 
 import hf_midx
 import hf_midx.losses.kernels as kernels
+from hf_midx import MidxConfig
+from hf_midx.integration.head import MidxLMHead
 from hf_midx.integration import kernel_guard
 from hf_midx.losses.kernels import candidate
 
@@ -84,3 +86,20 @@ def test_no_probe_where_auto_runs_eagerly(monkeypatch):
         warnings.simplefilter("always")
         train(model, markov_batches(VOCAB, batch=4, seq=16, steps=1, seed=1), 1)
     assert not [w for w in caught if "fused Triton kernels cannot run" in str(w.message)]
+
+
+def test_a_compiled_first_call_traces_the_guard_in_one_graph():
+    """Under torch.compile the guard probes nothing and adds no graph break, before or after its decision."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(1, 100, (VOCAB,), generator=g).double()
+    head = MidxLMHead(torch.nn.Linear(16, VOCAB, bias=False), MidxConfig(num_samples=8, codebook_size=4),
+                      class_counts=counts)
+    hidden = torch.randn(32, 16, generator=g, requires_grad=True)
+    labels = torch.randint(VOCAB, (32,), generator=g)
+    compiled = torch.compile(lambda h, y: head.loss(h, y), fullgraph=True, backend="eager")
+    compiled(hidden, labels).backward()  # first call compiled: nothing decided yet
+    assert head.kernel_guard.choices == {}
+    head.loss(hidden, labels)  # an eager call decides (the CPU: "auto", nothing to probe)
+    assert head.kernel_guard.choices == {"cpu": "auto"}
+    compiled(hidden, labels).backward()
