@@ -146,6 +146,21 @@ class MidxConfig:
             "gradients from the same draws, within float rounding."
         },
     )
+    z_loss: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight w >= 0 of the z-loss w (log Z)^2 per token (PaLM; e.g. 1e-4), log Z the sampled loss's own "
+            "estimate, with that term's gradient; logged as midx/z_loss. 0: off."
+        },
+    )
+    label_smoothing: float = field(
+        default=0.0,
+        metadata={
+            "help": "eps in [0, 1): the loss (1 - eps) CE + eps (log Z - mean logit), as the Trainer's "
+            "label_smoothing_factor (which sets it), the mean logit exact from the weight's column sum; needs no "
+            "logit soft-cap. Evaluation stays the plain cross-entropy. 0: off."
+        },
+    )
     mix_weight: float = field(
         default=defaults.MIX_WEIGHT,
         metadata={
@@ -274,10 +289,20 @@ class MidxConfig:
                 f"kernels='fused' computes per-query negatives only, got negatives={self.negatives!r}; use "
                 "negatives='per-query', or kernels='auto' (eager for shared negatives)."
             )
+        self._check_loss_terms()
         self._check_float("codebook_learning_rate", positive=True)
         self._check_float("kl_weight", positive=False)
         self._check_int("kl_queries", 1)
         self._check_bool("log_kl")
+
+    def _check_loss_terms(self) -> None:
+        """z_loss >= 0 and label_smoothing in [0, 1), finite numbers."""
+        self._check_float("z_loss", positive=False)
+        self._check_float("label_smoothing", positive=False)
+        if self.label_smoothing >= 1:
+            raise ValueError(
+                f"label_smoothing must be in [0, 1) (e.g. 0.1; 0 turns it off), got {self.label_smoothing}."
+            )
 
     def _check_int(self, name: str, minimum: int) -> None:
         check_positive_int(name, getattr(self, name), minimum=minimum)

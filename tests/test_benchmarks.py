@@ -122,6 +122,14 @@ def test_bench_sampling(tmp_path):
     assert_pngs(tmp_path, "bench_sampling_time.png", "bench_sampling_build.png")
 
 
+def test_bench_frozen(tmp_path):
+    """The frozen-head timing (issue 55) runs its alternating pairs and writes the speed-up; none is asserted."""
+    p = run_bench("bench_frozen", tmp_path)
+    check_rows(p)
+    assert {r["case"] for r in p["results"]} == {"trainable", "frozen"}
+    assert len(p["ratios"]) == p["settings"]["pairs"] and p["speedup"] > 0
+
+
 def test_bench_kl(tmp_path):
     p = run_bench("bench_kl", tmp_path)
     check_rows(p)

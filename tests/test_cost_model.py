@@ -125,3 +125,14 @@ def test_the_script_writes_its_table(tmp_path):
     assert json.loads((tmp_path / "cost_model.json").read_text())["shapes"][0]["launches"] == shape["launches"]
     assert "projected speed-up vs CCE" in (tmp_path / "cost_model.md").read_text()
     assert os.environ.get("TRITON_INTERPRET") == before  # the fake trace's setting is undone
+
+
+def test_a_frozen_head_projects_below_the_trainable_one_beside_the_4tvd_floor(tmp_path):
+    """--frozen (issue 55): the frozen step has no weight-gradient launches, so it projects below the trainable one;
+    the floor is 4 T V D FLOPs at the dense bf16 peak."""
+    payload = cost_model.main(["--smoke", "--frozen", "--models", "gemma3-270m", "--out", str(tmp_path)])
+    (s,) = payload["shapes"]
+    assert s["frozen_launches"] < s["launches"] and s["frozen_projected_ms"] < s["projected_ms"]
+    floor = 4 * s["T"] * s["V"] * s["D"] / cost_model.H200["tensor_core_flops"] * 1e3
+    assert s["frozen_exact_floor_ms"] == pytest.approx(floor)
+    assert "frozen exact floor" in (tmp_path / "cost_model.md").read_text()

@@ -20,6 +20,7 @@ flow callback, so that the reporting integrations see the ``midx/`` keys. Every 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import warnings
 
@@ -36,6 +37,8 @@ from .model_card import write_model_card
 from .nonfinite import ADVICE, MidxNonFiniteError, NonFiniteCheck
 from ..registry import SAMPLERS  # any hf_midx import runs hf_midx/__init__, which registers the samplers
 from .state import find_resume_folder, has_state
+
+logger = logging.getLogger(__name__)
 
 
 def refresh_index(model, *, codebooks: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
@@ -104,6 +107,10 @@ class MidxCallback(TrainerCallback):
             handler.add_callback(cb)
         if not getattr(trainer.save_model, "midx_wrapped", False):
             callback._wrap_saving(trainer)
+        if getattr(trainer, "label_smoother", None) is not None:
+            # The Trainer's smoother would take the labels away from the model and smooth full logits; the head
+            # smooths its sampled loss instead (MidxConfig.label_smoothing, set from the factor at train start).
+            trainer.label_smoother = None
         callback.installed = True
         return callback
 
@@ -117,13 +124,13 @@ class MidxCallback(TrainerCallback):
             )
         refuse_data_parallel(args)
         if args.label_smoothing_factor:
-            raise ValueError(
-                "MIDX training cannot use label_smoothing_factor: the Trainer's label smoother needs the full logits, "
-                "so it would train the full softmax. Set label_smoothing_factor=0."
-            )
+            self._take_label_smoothing(head, float(args.label_smoothing_factor))
         self.head, config = head, head.config
+        if head.frozen:  # its weight never changes: the index built at wrap time stays right
+            logger.warning("MidxCallback: the LM head is frozen (its weight and bias require no grad), so its index "
+                           "is kept as built and never refreshed.")
         if state.global_step == 0 and SAMPLERS[config.sampler].query_dependent and not config.refresh_every_steps \
-                and state.num_train_epochs <= 1:  # fmt: skip
+                and state.num_train_epochs <= 1 and not head.frozen:  # fmt: skip
             # Epoch-start refreshes never fire in a run of one epoch or less: the index would stay the initial one.
             warnings.warn(
                 f"MidxCallback: this run is {state.max_steps} steps, at most one epoch, and the {config.sampler} "
@@ -170,7 +177,7 @@ class MidxCallback(TrainerCallback):
         # A new epoch after a finished one: the Trainer sets epoch = e + 1.0 exactly at the end of epoch e
         # (a run resumed in the middle of an epoch starts with a fractional epoch and does not refresh).
         if (self.head is not None and self.head.config.refresh_every_epoch and state.global_step > 0
-                and state.epoch is not None and float(state.epoch).is_integer()
+                and not self.head.frozen and state.epoch is not None and float(state.epoch).is_integer()
                 and state.global_step != self.last_refresh_step):  # fmt: skip
             self.refresh(state)
 
@@ -180,7 +187,7 @@ class MidxCallback(TrainerCallback):
             return
         self._nonfinite.mark(head.step_data, state.global_step, state.epoch)
         every = head.config.refresh_every_steps
-        refresh = bool(every) and state.global_step % every == 0
+        refresh = bool(every) and state.global_step % every == 0 and not head.frozen
         if refresh or control.should_log or control.should_save or control.should_evaluate \
                 or control.should_training_stop or state.global_step >= state.max_steps:  # fmt: skip
             self.check_finite(state)
@@ -240,6 +247,22 @@ class MidxCallback(TrainerCallback):
         self._nonfinite.check(self.head, state)
 
     # ------------------------------------------------------------------ internals
+    def _take_label_smoothing(self, head: MidxLMHead, factor: float) -> None:
+        """The Trainer's ``label_smoothing_factor`` as the head's ``MidxConfig.label_smoothing``: the sampled loss
+        smooths with the exact mean logit (evaluation stays the plain cross-entropy)."""
+        if not self.installed:
+            raise ValueError(
+                "label_smoothing_factor with MIDX needs MidxCallback.install(trainer) (MidxTrainer does it), which "
+                "hands the factor to the head: with callbacks=[MidxCallback()] the Trainer's label smoother takes the "
+                "labels away and smooths the full logits. Install the callback, or set MidxConfig(label_smoothing=...)."
+            )
+        if head.config.label_smoothing not in (0.0, factor):
+            raise ValueError(
+                f"label_smoothing_factor={factor} and MidxConfig(label_smoothing={head.config.label_smoothing}) "
+                "differ; set one of them."
+            )
+        head.config = head.config.replace(label_smoothing=factor)
+
     def _codebook_step(self, state) -> None:
         """One Adam step of the learned codebooks on the head weight and the step's hidden states."""
         head = self.head
@@ -264,6 +287,8 @@ class MidxCallback(TrainerCallback):
                     if key != "head_mass" or head.exact_ids is not None:
                         self._pending["midx/kl" if key == "kl_qp" else f"midx/{key}"] = mean_over_ranks(value)
             self._pending["midx/train_loss_exact"] = mean_over_ranks(head.last_batch_exact_loss(weight, bias))
+        if head.step_data.z_loss is not None:  # the last micro-batch's, as the exact loss
+            self._pending["midx/z_loss"] = mean_over_ranks(head.step_data.z_loss.float())
 
     def _wrap_saving(self, trainer) -> None:
         """This trainer's ``save_model`` also writes ``midx_config.json`` and (called by the user) the MIDX card,

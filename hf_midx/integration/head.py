@@ -153,6 +153,12 @@ class MidxLMHead(nn.Module):
 
     exact_only = property(lambda self: self._exact_depth > 0, doc="True inside :meth:`exact_loss_only`.")
 
+    @property
+    def frozen(self) -> bool:
+        """True when neither the weight nor the bias requires grad (LoRA and other adapters leave ``lm_head`` so):
+        the loss then does no weight-gradient work, and the callback keeps the index built at wrap time."""
+        return not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
+
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor, *, num_items_in_batch: torch.Tensor | int | None = None,
              ignore_index: int = -100, exact: bool = False, reduction: str | None = None,
              weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -194,9 +200,13 @@ class MidxLMHead(nn.Module):
                     h, weight, y, sampler, cfg.num_samples, negatives=cfg.negatives,
                     remove_accidental_hits=cfg.remove_accidental_hits, check_labels=False, estimator=cfg.estimator,
                     exact_ids=sampler.excluded, kernels=kernels, tail_gradient=cfg.tail_gradient,
+                    z_loss=cfg.z_loss, label_smoothing=cfg.label_smoothing, return_z_loss=bool(cfg.z_loss),
                     **options,  # excluded: on the sampler's device
                 )
-                self.step_data.record(raw, y, ignore_index, loss)
+                loss, z_term = loss if cfg.z_loss else (loss, None)
+                if z_term is not None and reduction != "mean":  # logged as a mean over this call's tokens
+                    z_term = z_term.sum() / (y != ignore_index).sum().clamp_min(1)
+                self.step_data.record(raw, y, ignore_index, loss, z_loss=z_term)
         count = num_items_in_batch
         if count is None or reduction == "none":
             return loss

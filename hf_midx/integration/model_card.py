@@ -26,6 +26,7 @@ from .._io import atomic_write
 from ..config import EXACT_HEAD_FRACTION, MidxConfig
 from ..losses.loss import drops_accidental_hits
 from ..registry import SAMPLERS  # any hf_midx import runs hf_midx/__init__, which registers the samplers
+from .head import find_head
 from .state import index_quantizer
 from ..version import __version__, versions
 
@@ -96,11 +97,12 @@ def midx_training_facts(
     *,
     num_classes: int | None = None,
     tokenizer_size: int | None = None,
+    head_frozen: bool = False,
 ) -> dict[str, Any]:
     """The MIDX facts a card reports, from the config and a Trainer's ``state.log_history``.
 
     ``num_classes`` is V, the LM head's rows; ``tokenizer_size`` the tokenizer's length, shown beside V when
-    they differ (models often pad V to a multiple of 64 or more).
+    they differ (models often pad V to a multiple of 64 or more); ``head_frozen``: the head trained frozen (LoRA).
 
     Returns a dict with the sampler settings, the refresh schedule, the last exact evaluation
     (``eval_loss`` / ``eval_perplexity``, None if never evaluated), the logged KL and refresh times,
@@ -169,6 +171,10 @@ def midx_training_facts(
         "refreshes": len(refresh_times),
         "refresh_seconds_mean": _round(sum(refresh_times) / len(refresh_times), 3) if refresh_times else None,
         "throughput": throughput,
+        "z_loss": config.z_loss,
+        "z_loss_last": _round(next((e["midx/z_loss"] for e in reversed(history) if "midx/z_loss" in e), None)),
+        "label_smoothing": config.label_smoothing,
+        "head_frozen": head_frozen,
     }
 
 
@@ -225,6 +231,7 @@ def render_model_card(
     throughput: Mapping[str, Any] | None = None,
     command: str | None = None,
     sections: Sequence[str] = (),
+    head_frozen: bool = False,
 ):
     """Render the MIDX model card.
 
@@ -252,13 +259,15 @@ def render_model_card(
         command: the command that trained the model (launcher included), shown in the card.
         sections: Markdown sections appended to the card (e.g. a script's final results), see
             :func:`extend_model_card`.
+        head_frozen: the LM head trained frozen (LoRA): no weight gradient, its index never refreshed.
     Returns:
         a ``huggingface_hub.ModelCard``; ``card.save(path)`` writes it.
     """
     from huggingface_hub import ModelCard, ModelCardData
 
     meta = dict(metadata or {})
-    facts = midx_training_facts(config, log_history, num_classes=num_classes, tokenizer_size=tokenizer_size)
+    facts = midx_training_facts(config, log_history, num_classes=num_classes, tokenizer_size=tokenizer_size,
+                                head_frozen=head_frozen)
     if throughput is not None:
         facts["throughput"] = dict(throughput)
     if dataset_name is None:
@@ -393,6 +402,7 @@ def write_model_card(trainer, output_dir: str, config: MidxConfig, *, num_classe
         log_history=trainer.state.log_history,
         num_classes=num_classes,
         tokenizer_size=len(tokenizer) if callable(getattr(tokenizer, "__len__", None)) else None,
+        head_frozen=bool(getattr(find_head(model), "frozen", False)),
         **extras,
     )
     return save_model_card(card, output_dir)

@@ -25,6 +25,7 @@ class StepData:
     Attributes:
         kl_queries: k, how many hidden states :attr:`queries` keeps of the last call.
         last_batch: (hidden (T, D), shifted labels (T,), ignore_index) of the last recorded call, or None.
+        z_loss: the last recorded call's z-loss term (a float32 scalar on the device), or None.
         call_counter: 0-dim int64 tensor on the head's device, the number of recorded calls since
             :meth:`clear`; a tensor, so that counting neither syncs nor makes ``torch.compile`` recompile at
             every call. :attr:`calls` reads it.
@@ -42,6 +43,7 @@ class StepData:
         """Forget the kept batch, counters and finiteness record (not :attr:`scheduled`); ``device``: keep the
         counters there from now on (the head's device, where it moved), else where they are."""
         self.last_batch: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.z_loss: torch.Tensor | None = None
         self._queries: torch.Tensor | None = None
         device = None if device is None else torch.device(device)
         if self._counts is not None and device in (None, self._counts.device):
@@ -63,7 +65,8 @@ class StepData:
         return int(self.call_counter)
 
     @torch.no_grad()
-    def record(self, h: torch.Tensor, y: torch.Tensor, ignore_index: int, loss: torch.Tensor) -> None:
+    def record(self, h: torch.Tensor, y: torch.Tensor, ignore_index: int, loss: torch.Tensor,
+               z_loss: torch.Tensor | None = None) -> None:
         """Keep one call's batch and the finiteness of its loss on the device: no host sync, three small ops.
 
         Args:
@@ -71,8 +74,10 @@ class StepData:
             y: (T,) int64 shifted labels.
             ignore_index: the label value that marks ignored tokens.
             loss: the call's loss (any shape), checked for NaN/Inf.
+            z_loss: the call's z-loss term (``MidxConfig.z_loss``), kept as :attr:`z_loss`, or None.
         """
         self.last_batch = (h.detach(), y, ignore_index)
+        self.z_loss = None if z_loss is None else z_loss.detach()
         self._queries = None
         if self._counts.device != h.device:  # the head moved without clear(device): the counts follow it
             self._flags, self._counts = self._flags.to(h.device), self._counts.to(h.device)

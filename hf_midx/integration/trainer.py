@@ -74,20 +74,19 @@ class MidxTrainer(PerplexityMixin, Trainer):
     it writes (:data:`CARD_EXTRAS`: a script's final results, as ``eval_results`` and Markdown ``sections``).
 
     Raises:
-        ValueError: no MIDX head; an option that needs the full logits (``label_smoothing_factor``,
-            ``compute_loss_func``); one process on several GPUs (DataParallel, see ``MidxCallback.install``).
+        ValueError: no MIDX head; ``compute_loss_func`` (it needs the full logits; ``label_smoothing_factor`` becomes
+            the head's ``MidxConfig.label_smoothing``, see ``MidxCallback.install``); one process on several GPUs
+            (DataParallel, see ``MidxCallback.install``).
     """
 
     def __init__(self, model=None, args=None, *more, **kwargs) -> None:
         # Checked before the Trainer creates output_dir (and, with push_to_hub, the Hub repository).
         given = inspect.signature(Trainer.__init__).bind_partial(self, model, args, *more, **kwargs).arguments
-        for option, value in (("label_smoothing_factor", getattr(args, "label_smoothing_factor", 0.0)),
-                              ("compute_loss_func", given.get("compute_loss_func"))):  # fmt: skip
-            if value:
-                raise ValueError(
-                    f"MidxTrainer cannot use {option}: it needs the full logits, which the MIDX head does not "
-                    "compute during training (it computes the sampled-softmax loss itself)."
-                )
+        if given.get("compute_loss_func"):
+            raise ValueError(
+                "MidxTrainer cannot use compute_loss_func: it needs the full logits, which the MIDX head does not "
+                "compute during training (it computes the sampled-softmax loss itself)."
+            )
         if args is not None:
             refuse_data_parallel(args)
         self._midx_tokens: torch.Tensor | None = None  # tokens this process trained on in this train() call

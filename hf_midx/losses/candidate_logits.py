@@ -52,7 +52,13 @@ class CandidateLogits(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, rows, common, common_rows, kept)
         ctx.chunk, ctx.factors = chunk, factors
         shared = (hidden @ common_rows.t()).float()  # (T, C): one GEMM
-        return (out, shared) if factors is None else (out, shared, bucket_table(factors, weight))
+        if factors is None:
+            return out, shared
+        table = bucket_table(factors, weight)
+        if not ctx.needs_input_grad[1]:
+            # A frozen weight: no gradient for the table, so the expected tail skips its (T x B x D) product too.
+            ctx.mark_non_differentiable(table)
+        return out, shared, table
 
     @staticmethod
     def backward(ctx, grad_out, grad_shared, grad_table=None):

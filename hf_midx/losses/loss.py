@@ -49,6 +49,7 @@ from .._checks import check_ids, check_positive_int
 from .._ops import soft_cap
 from .candidate_logits import candidate_logits, sampled_softmax_terms
 from ..defaults import ESTIMATORS, KERNEL_MODES, NEGATIVE_MODES  # noqa: F401 (the label's logit; the negatives)
+from .log_z_terms import add_log_z_terms, check_log_z_terms
 from .full import assert_labels_in_range, check_loss_inputs, reduce_tokens
 from .tail_gradient import asks_closed_form, check_closed_form, expected_share
 
@@ -78,7 +79,10 @@ def sampled_softmax_loss(
     exact_value: bool = True,
     tail_gradient: str = defaults.TAIL_GRADIENT,
     kernels: str = "eager",
-) -> torch.Tensor:
+    z_loss: float = 0.0,
+    label_smoothing: float = 0.0,
+    return_z_loss: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sampled-softmax cross-entropy corrected by the proposal (an estimator of the full loss).
 
     Args:
@@ -127,15 +131,22 @@ def sampled_softmax_loss(
             where they can run (CUDA tensors, Triton importable, per-query negatives, a float32, bfloat16
             or float16 weight), else eager: ``MidxConfig``'s default, which the head passes; a direct call
             keeps the reference unless asked, so that a test or benchmark on a GPU measures what it names.
+        z_loss: w >= 0, adds w (log Z)^2 per token, log Z the loss's own estimate, with that term's gradient
+            (:mod:`hf_midx.losses.log_z_terms`); 0 (the default) adds nothing.
+        label_smoothing: eps in [0, 1): the loss becomes (1 - eps) CE + eps (log Z - mean logit), the Trainer's
+            ``label_smoothing_factor``, the mean logit exact from the weight's column sum; needs no soft-cap.
+        return_z_loss: also return the z-loss term alone (reduced as the loss, no gradient), for logging.
     Returns:
-        float32 scalar (or (T,) for "none").
+        float32 scalar (or (T,) for "none"); with ``return_z_loss``, (that, the z-loss term likewise).
     """
     check_labels = _check_options(
         hidden, weight, labels, sampler, num_samples, bias=bias, negatives=negatives, ignore_index=ignore_index,
         remove_accidental_hits=remove_accidental_hits, reduction=reduction, estimator=estimator,
         exact_ids=exact_ids, check_labels=check_labels, exact_value=exact_value, tail_gradient=tail_gradient,
-        kernels=kernels,
+        kernels=kernels, z_loss=z_loss, label_smoothing=label_smoothing, logit_softcap=logit_softcap,
     )
+    with_terms = bool(z_loss or label_smoothing or return_z_loss)
+    inner = "none" if with_terms else reduction  # the terms are per token, then reduced
     excluded = sampler.excluded  # (H,) sorted, or None
     num_exact = _check_exact_ids(exact_ids, excluded, check_labels)
     if hidden.dtype != weight.dtype:
@@ -160,43 +171,58 @@ def sampled_softmax_loss(
     if fused:
         # The same draws, estimator and head: the kernels take the sorted head (excluded equals exact_ids' set,
         # checked above) and mask the ignored tokens themselves; the labels were range-checked above.
-        return _fused_loss(
+        out = _fused_loss(
             hidden, weight, labels, ids, log_q, log_q_pos, factors, valid, bias=bias, head_ids=head_ids,
             ignore_index=ignore_index, logit_softcap=logit_softcap, corrected=corrected, drops=drops,
-            exact_value=exact_value, reduction=reduction,
+            exact_value=exact_value, reduction=inner,
         )
-    # 2. the candidates' logits: the exact head (T, H) and each token's label and negatives (T, R)
-    common = (
-        torch.empty(0, dtype=torch.long, device=device)
-        if not num_exact
-        else exact_ids.to(device=device, dtype=torch.long)
-    )
-    head, cand, log_q, hits, table = _logits(
-        hidden, weight, bias, y, ids, log_q, common, factors, negatives, num_exact, logit_softcap
-    )
-    # 3. the corrections -log(n q) of the candidates, and those of the value
-    in_head = _label_in_head(y, log_q_pos, head_ids, valid, corrected)
-    adj, target_adj, value_adj = _corrections(
-        log_q, log_q_pos, hits, in_head, num_samples, cand.shape[0], corrected=corrected, drops=drops,
-        exact_value=exact_value and not (estimator == "exact-positive" and drops),  # else the objective is that estimate
-        has_head=bool(num_exact), device=device,
-    )
-    # 4. the terms, the tail's expected part, the reduction
-    per_token, share = sampled_softmax_terms(head, cand, adj, target_adj, value_adj, valid, factors is not None)
-    if factors is not None:  # the draws gave their share back; each tail class gets its expected part
-        per_token = expected_share(per_token, share, factors, hidden, weight, bias, table=table[0])
-    return reduce_tokens(per_token, valid, reduction)
+    else:
+        # 2. the candidates' logits: the exact head (T, H) and each token's label and negatives (T, R)
+        common = (
+            torch.empty(0, dtype=torch.long, device=device)
+            if not num_exact
+            else exact_ids.to(device=device, dtype=torch.long)
+        )
+        head, cand, log_q, hits, table = _logits(
+            hidden, weight, bias, y, ids, log_q, common, factors, negatives, num_exact, logit_softcap
+        )
+        # 3. the corrections -log(n q) of the candidates, and those of the value
+        in_head = _label_in_head(y, log_q_pos, head_ids, valid, corrected)
+        value_differs = exact_value and not (estimator == "exact-positive" and drops)  # else the objective is it
+        adj, target_adj, value_adj = _corrections(
+            log_q, log_q_pos, hits, in_head, num_samples, cand.shape[0], corrected=corrected, drops=drops,
+            exact_value=value_differs, has_head=bool(num_exact), device=device,
+        )
+        # 4. the terms, the tail's expected part, the reduction
+        out, share = sampled_softmax_terms(head, cand, adj, target_adj, value_adj, valid, factors is not None)
+        if factors is not None:  # the draws gave their share back; each tail class gets its expected part
+            out = expected_share(out, share, factors, hidden, weight, bias, table=table[0])
+        out = reduce_tokens(out, valid, inner)
+    # 5. label smoothing and the z-loss, on the per-token loss of either path
+    return _with_log_z_terms(out, hidden, weight, y, valid, bias, z_loss, label_smoothing, logit_softcap, reduction,
+                             return_z_loss) if with_terms else out
+
+
+def _with_log_z_terms(per_token, hidden, weight, y, valid, bias, z_loss, label_smoothing, logit_softcap, reduction,
+                      return_z_loss):
+    """The (T,) per-token loss with label smoothing and the z-loss (:func:`add_log_z_terms`), reduced; with
+    ``return_z_loss`` the z-loss term beside it."""
+    loss, z_term = add_log_z_terms(per_token, hidden, weight, y, valid, bias=bias, z_loss=z_loss,
+                                   label_smoothing=label_smoothing, logit_softcap=logit_softcap)
+    loss = reduce_tokens(loss, valid, reduction)
+    return (loss, reduce_tokens(z_term, valid, reduction)) if return_z_loss else loss
 
 
 def _check_options(hidden, weight, labels, sampler, num_samples, *, bias, negatives, ignore_index,
                    remove_accidental_hits, reduction, estimator, exact_ids, check_labels, exact_value, tail_gradient,
-                   kernels) -> bool:
+                   kernels, z_loss, label_smoothing, logit_softcap) -> bool:
     """:func:`sampled_softmax_loss`'s arguments, each with a ValueError; returns ``check_labels`` as it runs
     (False under ``torch.compile``)."""
     if check_labels and torch.compiler.is_compiling():
         check_labels = False  # a host read would break the graph: the asynchronous check runs instead
     check_loss_inputs(hidden, weight, labels, bias, ignore_index, reduction, check_labels)
     check_positive_int("num_samples", num_samples)
+    check_log_z_terms(z_loss, label_smoothing, logit_softcap)
     if negatives not in NEGATIVE_MODES:
         raise ValueError(f"negatives must be one of {NEGATIVE_MODES}, got {negatives!r}.")
     if estimator not in ESTIMATORS:

@@ -547,6 +547,30 @@ def project(v: int, d: int, t: int, *, machine: dict = H200, **options) -> dict:
     return {"V": v, "D": d, "T": t, "dtype": str(options.get("dtype", torch.bfloat16)).replace("torch.", ""), **out}
 
 
+def project_frozen(v: int, d: int, t: int, *, machine: dict = H200, **options) -> dict:
+    """A frozen head's step (LoRA: the weight needs no gradient) at (V, D, T), beside the floor of a frozen exact
+    loss, 4 T V D FLOPs (the logits' forward and the input gradient) at the dense bf16 peak: the projected ms of
+    both (issue 55)."""
+    head, weight, hidden, labels = default_head(v, d, t, **options)
+    out = project_head(head, weight.detach(), hidden, labels, machine=machine)
+    floor_ms = 4 * t * v * d / machine["tensor_core_flops"] * 1e3
+    return {"frozen_projected_ms": out["projected_ms"], "frozen_launches": out["launches"],
+            "frozen_exact_floor_ms": floor_ms, "frozen_parts": {p: x["ms"] for p, x in out["parts"].items()}}
+
+
+def render_frozen(shapes: list[dict]) -> str:
+    """The frozen head's projections (``--frozen``) as a Markdown section."""
+    table = common.markdown_table(shapes, [
+        ("model", "model"), ("V x D", lambda s: f"{s['V']:,} x {s['D']:,}"),
+        ("trainable (ms)", lambda s: f"{s['projected_ms']:.2f}"),
+        ("frozen (ms)", lambda s: f"{s['frozen_projected_ms']:.2f}"),
+        ("frozen exact floor 4TVD (ms)", lambda s: f"{s['frozen_exact_floor_ms']:.2f}"),
+        ("floor / frozen", lambda s: common.fmt_ratio(s["frozen_exact_floor_ms"] / s["frozen_projected_ms"], 2))])
+    return "\n".join(["## A frozen head (LoRA): projected step beside the frozen exact floor", "",
+                       "The floor: 4 T V D FLOPs (forward logits and input gradient, no weight gradient) at the "
+                       "dense bf16 peak; no exact loss goes below it.", "", table, ""])
+
+
 def cce_measured(path: Path = common.REPO_ROOT / "recipes/benchmarks/results/h200/bench_head.json") -> dict:
     """{(V, D, T): ms} of Cut Cross-Entropy's head on an H200, from ``results/h200/bench_head.json``."""
     if not path.exists():
@@ -597,6 +621,8 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=8192, help="T")
     p.add_argument("--kmeans_iters", type=int, default=1, help="k-means iterations of the head's index build")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (V / 64, D / 32, T = 256): checks the script")
+    p.add_argument("--frozen", action="store_true", help="also project a frozen head's step (the weight needs no "
+                   "gradient, as under LoRA) beside the frozen exact floor 4 T V D FLOPs")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -620,8 +646,12 @@ def main(argv=None) -> dict:
         print(f"{model:14s} V={v:>7,} D={d:>5,}: {s['launches']} launches, projected {s['projected_ms']:.1f} ms "
               f"({parts}); CCE measured {s['cce_ms']} ms -> {common.fmt_ratio(s['speedup_vs_cce'], 2)}; "
               f"flagged: {_flag_text(s)}", flush=True)  # fmt: skip
+        if args.frozen:
+            s.update(project_frozen(v, d, t, kmeans_iters=args.kmeans_iters))
+            print(f"{'':14s} frozen: projected {s['frozen_projected_ms']:.2f} ms, frozen exact floor "
+                  f"{s['frozen_exact_floor_ms']:.2f} ms", flush=True)
         shapes.append(s)
-    md = render(shapes, H200, settings, env)
+    md = render(shapes, H200, settings, env) + ("\n" + render_frozen(shapes) if args.frozen else "")
     payload = {"benchmark": NAME, "settings": settings, "environment": env, "machine": H200, "shapes": shapes}
     common.write_outputs(args.out, NAME, payload, md)
     return payload

@@ -107,11 +107,12 @@ def test_resume_needs_the_midx_state(tmp_path):
         again.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
 
 
-def test_label_smoothing_is_refused(tmp_path):
+def test_label_smoothing_needs_the_installed_callback(tmp_path):
+    """Without install() the Trainer's label smoother would take the labels and smooth full logits: refused."""
     model = hf_midx.wrap(tiny_model("gpt2", vocab_size=VOCAB), num_samples=32, codebook_size=8)
     args = training_args(tmp_path, max_steps=2, label_smoothing_factor=0.1)
     trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(16)), callbacks=[MidxCallback()])
-    with pytest.raises(ValueError, match="label_smoothing_factor"):
+    with pytest.raises(ValueError, match=r"label_smoothing_factor with MIDX needs MidxCallback\.install"):
         trainer.train()
 
 

@@ -121,6 +121,9 @@ def assert_close(got, want, tol=2e-5):
         # The expected tail gradient: the kernels give each draw's share back, the expected part is added eagerly.
         (dict(seed=3), dict(tail_gradient="expected")),
         (dict(seed=4, bias=False), dict(tail_gradient="expected", reduction="sum")),
+        # Label smoothing and the z-loss (issue 55): the kernels' per-token loss, scaled and completed eagerly.
+        (dict(seed=5), dict(z_loss=1e-2, label_smoothing=0.1)),
+        (dict(seed=6, bias=False), dict(tail_gradient="sampled", z_loss=1e-2, label_smoothing=0.1, reduction="sum")),
     ],
 )
 def test_fused_loss_is_the_eager_loss_on_the_same_draws(setup, options, fused_calls):
@@ -255,6 +258,20 @@ def test_default_fused_step_makes_one_tensor_the_size_of_the_weight():
         step()
     assert head.weight.grad is not None and head.weight.grad.abs().sum() > 0
     assert new.ops == ["empty_like"], new.ops
+
+
+@interpreted
+def test_a_frozen_fused_step_launches_no_weight_gradient_and_makes_no_weight_sized_tensor(monkeypatch):
+    """The default head, fused, with its weight frozen (LoRA): the weight-gradient kernel never launches (two
+    launches, not three) and no op creates a (V, D) tensor; the hidden states still get their gradient."""
+    head, step = _default_head_step(128, 8192, 64, torch.bfloat16, kernels="fused")
+    head.weight.requires_grad_(False)
+    step()
+    launches = launched_kernels(monkeypatch)
+    with NewTensorsOfShape(head.weight.shape) as new:
+        step()
+    assert head.weight.grad is None and new.ops == [], new.ops
+    assert launches == ["candidate_forward_kernel", "candidate_grad_hidden_kernel"], launches
 
 
 @interpreted

@@ -166,7 +166,10 @@ class FusedCandidateLoss(torch.autograd.Function):
         if factors is None:
             return out, share
         # The table's gradient is spread back over the classes inside the weight-gradient kernel (the backward).
-        return out, share, bucket_table(factors, weight)
+        table = bucket_table(factors, weight)
+        if not ctx.needs_input_grad[1]:
+            ctx.mark_non_differentiable(table)  # a frozen weight: the expected tail skips the table's gradient
+        return out, share, table
 
     @staticmethod
     @torch.autograd.function.once_differentiable
