@@ -27,7 +27,7 @@ per launch), the exact floor (6 T V D FLOPs at 990 TFLOP/s) and the fastest exac
 The H100 rows (``results/h100/``) are not used: they time ``sampled_softmax_loss`` at T = 2,048 of commit 34164c9,
 with no profile and no default-head case.
 
-Run: ``python recipes/benchmarks/calibrate_cost_model.py`` (about 5 minutes on 2 CPU cores: nine head builds);
+Run: ``python recipes/benchmarks/calibrate_cost_model.py`` (about 20 minutes on 2 busy CPU cores: 10 head builds);
 ``--old-tree`` names the worktree of 1ca3ce9 (made with ``git worktree add --detach`` if missing).
 """
 

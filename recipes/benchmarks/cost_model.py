@@ -652,8 +652,8 @@ def render(shapes: list[dict], machine: dict, settings: dict, env: dict) -> str:
     calibrated = ("Calibrated: the same launches with the constants fitted on commit 1ca3ce9's profiled H200 step "
                   "(`cost_model.H200_CALIBRATED`, `results/cost-model-calibration/`: a device floor of "
                   f"{H200_CALIBRATED['kernel_floor_us']:.2f} us per kernel, each class's achieved bandwidth, "
-                  f"{H200_CALIBRATED['launch_us']:.2f} us of host time per launch; within 1.5x of the eight measured "
-                  "H200 steps there); CUDA graph: calibrated, the step replayed as one graph (no host time per "
+                  f"{H200_CALIBRATED['launch_us']:.2f} us of host time per launch; held there against the eight "
+                  "measured H200 steps of an older default, with its error on each); CUDA graph: calibrated, the step replayed as one graph (no host time per "
                   "launch). Exact floor: 6 T V D FLOPs at the dense bf16 peak, which no exact loss can beat.")  # fmt: skip
     parts = ["Projected: every figure but the fastest exact loss's, from the step's op trace (FakeTensorMode at the "
              "real shapes). Measured: the fastest exact loss (HF, torch-chunked, Liger, CCE) at the shape, "
