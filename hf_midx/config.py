@@ -143,7 +143,9 @@ class MidxConfig:
             "help": f"How the sampled loss is computed from the draws; one of {KERNEL_MODES}. 'auto': fused Triton "
             "kernels on CUDA with Triton and per-query negatives, eager PyTorch elsewhere. 'fused': "
             "always the kernels (a ValueError where they cannot run); 'eager': always PyTorch. Same loss and "
-            "gradients from the same draws, within float rounding."
+            "gradients from the same draws, within float rounding. On a GPU the kernels' speed is projected, not "
+            "measured (2.3-5.6x faster than the exact loss's FLOP floor, docs/gpu_cost_model.md): 'eager' is the safe "
+            "setting there until a GPU has timed them."
         },
     )
     z_loss: float = field(

@@ -26,13 +26,16 @@ def test_every_section_writes_its_rows(tmp_path):
     assert all(p["measured_ms"] is not None for p in parts["parts"].values()) and len(parts["ops"]) == parts["launches"]
     head = gpu_step.main(["--section", "head", "--models", "gemma3-270m", *base])["rows"]
     cases = {r["case"]: r for r in head}
-    assert set(cases) == {"midx-default", *gpu_step.COMPETITORS}
+    assert set(cases) == {"midx-default", "midx-default/cuda-graph", *gpu_step.COMPETITORS}
     assert cases["midx-default"]["ms"] > 0 and cases["midx-default"]["projected_ms"] > 0
+    default, graph = cases["midx-default"], cases["midx-default/cuda-graph"]
+    assert 0 < graph["calibrated_ms"] < default["calibrated_ms"] and "needs CUDA" in graph["skipped"]
+    assert all(r["exact_floor_ms"] == 6 * r["T"] * r["V"] * r["D"] / 990e12 * 1e3 for r in head)
     assert "needs CUDA" in cases["cce"]["skipped"] and "needs CUDA" in cases["liger"]["skipped"]
     assert all(r["git_commit"] == head[0]["git_commit"] and r["device"] for r in head)
     merged = gpu_step.main(["--section", "merge", "--out", str(tmp_path)])
     assert merged["sections"] == ["micro", "parts", "head"] and len(merged["rows"]) == len(micro) + 1 + len(head)
-    assert "midx-default" in (tmp_path / "gpu_step.md").read_text()
+    assert "midx-default" in (tmp_path / "gpu_step.md").read_text() and "exact floor" in (tmp_path / "gpu_step.md").read_text()
 
 
 def test_the_training_step_section(tmp_path):

@@ -27,11 +27,14 @@ the step (draw, candidate loss, tail, bookkeeping) by the innermost ``hf_midx`` 
 as ``count_ops`` attributes them; an op of torch's own backward formulas by the forward op that made it (the
 autograd node's forward traceback, recorded under anomaly mode without its NaN checks); a gradient accumulation
 outside any hf_midx function is "autograd". Ops whose CUDA implementation serializes (a long bag), uses atomics
-or syncs the host are flagged. The total stands beside Cut Cross-Entropy's measured H200 time
-(``results/h200/bench_head.json``, read here, not copied).
+or syncs the host are flagged. The total is costed three times: with the peak constants (:data:`H200`), with
+the ones fitted on commit 1ca3ce9's profiled H200 step (:data:`H200_CALIBRATED`, ``calibrate_cost_model.py``), and
+calibrated with the step replayed as one CUDA graph (:func:`graph_replayed`: no host time per launch). Each stands
+beside the exact floor (:func:`exact_floor_ms`: 6 T V D FLOPs at the dense bf16 peak) and the fastest exact loss
+measured at the shape (``results/h200/bench_head.json``, read here, not copied).
 
-Run: ``python recipes/benchmarks/cost_model.py --out recipes/benchmarks/results/cost_model`` (about a minute
-on 2 CPU cores: the four head builds); ``--models`` picks shapes, ``--tokens`` T; ``--smoke`` a tiny shape.
+Run: ``python recipes/benchmarks/cost_model.py --out recipes/benchmarks/results/cost_model`` (about 3 minutes
+on 2 CPU cores: the five head builds); ``--models`` picks shapes, ``--tokens`` T; ``--smoke`` a tiny shape.
 """
 
 from __future__ import annotations
@@ -70,8 +73,28 @@ PACKAGE = "hf_midx/"
 #: ~0.5 us; an unrolled loop keeps a few loads in flight); sort_bits_per_pass: CUB's radix sort.
 H200 = {"name": "NVIDIA H200 (projected)", "bandwidth_bytes_s": 4.8e12, "tensor_core_flops": 990e12,
         "cuda_core_fp32_flops": 67e12, "launch_us": 4.0, "load_latency_us": 0.25, "sort_bits_per_pass": 8}  # fmt: skip
+#: The H200 as commit 1ca3ce9's profiled step measured it (``calibrate_cost_model.py`` fits these from
+#: ``results/h200/profile_head.*`` and refuses to run when they differ; ``results/cost-model-calibration/``).
+#: kernel_floor_us: the device time a kernel takes beyond its bytes (least squares over the profile's elementwise
+#: rows); class_bandwidth: bytes a second each class achieved (its bytes over its measured time less the floor);
+#: triton, embedding_bag, sort, host_sync: no such kernel in the profile, the nearest measured class's (assumed);
+#: launch_us: the host's time per cudaLaunchKernel in the profile. The peaks stay NVIDIA's (nothing measured them).
+H200_CALIBRATED = {**H200, "name": "NVIDIA H200 (calibrated on 1ca3ce9's profile)", "launch_us": 6.00,
+                   "kernel_floor_us": 0.977,
+                   "class_bandwidth": {"elementwise": 1.141e12,  # mul, copy_, sub, searchsorted: least squares
+                                       "gather": 2.404e12,  # index (the gathers of rows)
+                                       "gemm": 1.766e12,  # bmm (cuBLAS's gemv kernels), mm: bytes-bound here
+                                       "atomics": 0.817e12,  # index_add_ (rows added into (V, D))
+                                       "scan": 0.432e12,  # cumsum
+                                       # assumed, no such kernel in the profile: gather's, elementwise's
+                                       "triton": 2.404e12, "embedding_bag": 2.404e12,
+                                       "sort": 1.141e12, "host_sync": 1.141e12}}  # fmt: skip
 #: The four LLM head shapes of issue 45, in its order (common.MODEL_SHAPES holds their (V, D)).
 ISSUE_ORDER = ("gemma3-270m", "qwen2.5-0.5b", "llama3-8b", "gemma2-2b")
+#: The shapes the table can project: the four LLM heads and one of a million classes (issue 51).
+SHAPES = {**{m: common.MODEL_SHAPES[m] for m in ISSUE_ORDER}, "v1m-d1024": (1048576, 1024)}
+#: The exact losses of the H200 head benchmark (``results/h200/bench_head.json``) the step is held against.
+EXACT_CASES = ("hf", "torch-chunked", "liger", "cce")
 #: A bag longer than this is flagged (issue 45's acceptance bound for a default step).
 LONG_BAG = 4096
 
@@ -85,6 +108,7 @@ IMPLEMENTATIONS = {
                      "_embedding_bag_dense_backward", "embedding_dense_backward", "index_reduce_",
                      "index_reduce"), "atomics"),  # fmt: skip
     **dict.fromkeys(("sort", "argsort", "msort", "topk", "kthvalue", "median"), "sort"),
+    **dict.fromkeys(("cumsum", "cumsum_", "cumprod", "logcumsumexp", "_logcumsumexp", "cummax", "cummin"), "scan"),
     **dict.fromkeys(("nonzero", "nonzero_static", "masked_select", "_local_scalar_dense", "item", "unique",
                      "_unique", "_unique2", "unique_dim", "unique_consecutive", "bincount", "repeat_interleave",
                      "masked_scatter", "is_nonzero", "equal", "allclose"), "host_sync"),  # fmt: skip
@@ -93,6 +117,18 @@ IMPLEMENTATIONS = {
 #: Ops that host-sync only in some forms: repeat_interleave with output_size and bincount with a minlength
 #: still read the data's size on CUDA, so both stay flagged; index.Tensor syncs for a boolean mask.
 _BOOL_INDEX_SYNCS = ("index", "index_put_", "_index_put_impl_", "index_put")
+
+
+def graph_replayed(machine: dict) -> dict:
+    """``machine`` with the step replayed as one CUDA graph: no host cost per launch (the graph is one launch);
+    each kernel's device floor stays."""
+    return {**machine, "name": f"{machine['name']}, CUDA graph replay", "launch_us": 0.0}
+
+
+def exact_floor_ms(v: int, d: int, t: int, machine: dict = H200) -> float:
+    """The exact loss's floor: its 6 T V D FLOPs (the logits, the hidden states' and the weight's gradients) at the
+    machine's dense bf16 tensor-core peak, in ms. No exact loss runs faster, whatever its kernels."""
+    return 6 * t * v * d / machine["tensor_core_flops"] * 1e3
 
 
 # ============================================================================ the trace
@@ -362,6 +398,10 @@ class Launch:
     flags: list[str]
     note: str = ""
     measured_ms: float | None = None
+    #: The class whose achieved bandwidth a calibrated machine applies (an :data:`IMPLEMENTATIONS` value, or
+    #: "triton"); ``serial_us``: the serial part (an embedding_bag's longest bag), which no bandwidth shortens.
+    klass: str = "elementwise"
+    serial_us: float = 0.0
 
 
 #: The parts of a step, by the hf_midx file an op ran in (first match); anything else in hf_midx is bookkeeping.
@@ -385,6 +425,7 @@ def cost(op: TracedOp, machine: dict = H200) -> Launch:
     """The implementation class, bytes, FLOPs and projected time of one traced op on ``machine``."""
     a, name = op.args, op.name
     impl = "triton" if name.startswith("hf_midx.") else IMPLEMENTATIONS.get(name, "elementwise")
+    klass = impl
     ins, outs = _tensors(a), _tensors(op.out)
     flops_tc = flops_fp32 = serial_us = 0.0
     kernels, flags, note = 1, [], ""
@@ -440,10 +481,22 @@ def cost(op: TracedOp, machine: dict = H200) -> Launch:
         flags.append("host sync (boolean mask)")
     if name.endswith("_") and name not in ("copy_",) and impl == "elementwise":
         nbytes += _nbytes(a["self"]) if isinstance(a.get("self"), TensorMeta) else 0  # read and written
-    compute_us = (flops_tc / machine["tensor_core_flops"] + flops_fp32 / machine["cuda_core_fp32_flops"]) * 1e6
-    us = max(nbytes / machine["bandwidth_bytes_s"] * 1e6, compute_us, serial_us) + kernels * machine["launch_us"]
-    return Launch(name, op.where, part_of(op.where), op.backward, _shapes(a), impl, int(nbytes),
-                  int(flops_tc + flops_fp32), kernels, us, flags, note, op.measured_ms)  # fmt: skip
+    launch = Launch(name, op.where, part_of(op.where), op.backward, _shapes(a), impl, int(nbytes),
+                    int(flops_tc + flops_fp32), kernels, 0.0, flags, note, op.measured_ms, klass, serial_us)  # fmt: skip
+    launch.us = launch_us(launch, machine)
+    return launch
+
+
+def launch_us(x: Launch, machine: dict = H200) -> float:
+    """The projected microseconds of launch ``x`` on ``machine``: max(bytes / its class's bandwidth, FLOPs / peak,
+    serial part) + kernels x (the device's floor per kernel + the host's cost per launch). A machine without a
+    ``class_bandwidth`` entry for the class streams at ``bandwidth_bytes_s``."""
+    bandwidth = machine.get("class_bandwidth", {}).get(x.klass, machine["bandwidth_bytes_s"])
+    low = x.impl == "gemm (tensor cores)"
+    peak = machine["tensor_core_flops"] if low else machine["cuda_core_fp32_flops"]
+    compute_us = x.flops / peak * 1e6 if x.impl.startswith("gemm") or x.klass == "triton" else 0.0
+    per_kernel = machine.get("kernel_floor_us", 0.0) + machine["launch_us"]
+    return max(x.bytes / bandwidth * 1e6, compute_us, x.serial_us) + x.kernels * per_kernel
 
 
 # ============================================================================ the default step
@@ -528,7 +581,10 @@ def summarize(launches: list[Launch], head) -> dict:
     return {"config": {"sampler": cfg.sampler, "num_samples": cfg.num_samples, "exact_head": cfg.exact_head,
                        "codebook_size": cfg.codebook_size, "tail_gradient": cfg.tail_gradient, "kernels": cfg.kernels},
             "launches": len(launches), "kernels": sum(x.kernels for x in launches),
-            "projected_ms": sum(x.us for x in launches) / 1e3, "parts": dict(parts),
+            "projected_ms": sum(x.us for x in launches) / 1e3,
+            "calibrated_ms": sum(launch_us(x, H200_CALIBRATED) for x in launches) / 1e3,
+            "calibrated_graph_ms": sum(launch_us(x, graph_replayed(H200_CALIBRATED)) for x in launches) / 1e3,
+            "parts": dict(parts),
             "flagged": [dataclasses.asdict(x) for x in launches if x.flags],
             "ops": [dataclasses.asdict(x) for x in launches]}  # fmt: skip
 
@@ -571,12 +627,23 @@ def render_frozen(shapes: list[dict]) -> str:
                        "dense bf16 peak; no exact loss goes below it.", "", table, ""])
 
 
-def cce_measured(path: Path = common.REPO_ROOT / "recipes/benchmarks/results/h200/bench_head.json") -> dict:
-    """{(V, D, T): ms} of Cut Cross-Entropy's head on an H200, from ``results/h200/bench_head.json``."""
+def fastest_exact(path: Path = common.REPO_ROOT / "recipes/benchmarks/results/h200/bench_head.json") -> dict:
+    """{(V, D, T): (case, ms)}: the fastest exact loss (of :data:`EXACT_CASES`) measured on an H200 at each shape,
+    from ``results/h200/bench_head.json``."""
     if not path.exists():
         return {}
-    results = json.loads(path.read_text())["results"]
-    return {(r["V"], r["D"], r["T"]): r["ms"] for r in results if r["case"] == "cce" and "ms" in r}
+    best = {}
+    for r in json.loads(path.read_text())["results"]:
+        key = (r["V"], r["D"], r["T"])
+        if r["case"] in EXACT_CASES and "ms" in r and (key not in best or r["ms"] < best[key][1]):
+            best[key] = (r["case"], r["ms"])
+    return best
+
+
+def step_ms(launches: list[dict], machine: dict) -> float:
+    """The projected ms of a step's launches (as :func:`summarize` lists them) on ``machine``."""
+    fields = {f.name for f in dataclasses.fields(Launch)}
+    return sum(launch_us(Launch(**{k: v for k, v in x.items() if k in fields}), machine) for x in launches) / 1e3
 
 
 def _flag_text(shape: dict) -> str:
@@ -588,9 +655,16 @@ def render(shapes: list[dict], machine: dict, settings: dict, env: dict) -> str:
     part_names = [p for p, _ in PARTS] + ["bookkeeping", "autograd"]
     cols = [("model", "model"), ("V x D", lambda s: f"{s['V']:,} x {s['D']:,}"), ("launches", "launches"),
             *[(f"{p} (ms)", lambda s, p=p: f"{s['parts'].get(p, {}).get('ms', 0):.2f}") for p in part_names],
-            ("projected (ms)", lambda s: f"{s['projected_ms']:.1f}"),
-            ("CCE measured (ms)", lambda s: "-" if s.get("cce_ms") is None else f"{s['cce_ms']:.1f}"),
-            ("projected speed-up vs CCE", lambda s: common.fmt_ratio(s.get("speedup_vs_cce"), 2)),
+            ("projected, peak (ms)", lambda s: f"{s['projected_ms']:.2f}"),
+            ("calibrated (ms)", lambda s: f"{s['calibrated_ms']:.2f}"),
+            ("calibrated, CUDA graph (ms)", lambda s: f"{s['calibrated_graph_ms']:.2f}"),
+            ("exact floor (ms)", lambda s: f"{s['floor_ms']:.2f}"),
+            ("calibrated: faster than the floor", lambda s: common.fmt_ratio(s["floor_ms"] / s["calibrated_ms"], 1)),
+            ("CUDA graph: faster than the floor", lambda s: common.fmt_ratio(s["floor_ms"] / s["calibrated_graph_ms"], 1)),
+            ("fastest exact measured (ms)", lambda s: "-" if not s.get("fastest_exact") else
+             f"{s['fastest_exact'][1]:.1f} ({s['fastest_exact'][0]})"),
+            ("calibrated: faster than it", lambda s: "-" if not s.get("fastest_exact") else
+             common.fmt_ratio(s["fastest_exact"][1] / s["calibrated_ms"], 1)),
             ("flagged", _flag_text)]  # fmt: skip
     assumptions = (f"Assumptions ({machine['name']}): {machine['bandwidth_bytes_s'] / 1e12:.1f} TB/s, "
                    f"{machine['tensor_core_flops'] / 1e12:.0f} TFLOP/s dense bf16 on tensor cores, "
@@ -599,9 +673,16 @@ def render(shapes: list[dict], machine: dict, settings: dict, env: dict) -> str:
                    f"{machine['load_latency_us']} us per entry of an embedding_bag's longest bag (its serial loop), "
                    f"radix sort {machine['sort_bits_per_pass']} bits a pass. A launch costs max(bytes / bandwidth, "
                    "FLOPs / peak, serial part) + launches x the fixed cost.")  # fmt: skip
-    parts = ["Projected: every figure but CCE's, from the step's op trace (FakeTensorMode at the real shapes). "
-             "Measured: CCE's, `results/h200/bench_head.json` (NVIDIA H200, torch 2.11, T = 8,192, bf16).", "",
-             assumptions, "", common.markdown_table(shapes, cols), ""]  # fmt: skip
+    calibrated = ("Calibrated: the same launches with the constants fitted on commit 1ca3ce9's profiled H200 step "
+                  "(`cost_model.H200_CALIBRATED`, `results/cost-model-calibration/`: a device floor of "
+                  f"{H200_CALIBRATED['kernel_floor_us']:.2f} us per kernel, each class's achieved bandwidth, "
+                  f"{H200_CALIBRATED['launch_us']:.2f} us of host time per launch; held there against the eight "
+                  "measured H200 steps of an older default, with its error on each); CUDA graph: calibrated, the step replayed as one graph (no host time per "
+                  "launch). Exact floor: 6 T V D FLOPs at the dense bf16 peak, which no exact loss can beat.")  # fmt: skip
+    parts = ["Projected: every figure but the fastest exact loss's, from the step's op trace (FakeTensorMode at the "
+             "real shapes). Measured: the fastest exact loss (HF, torch-chunked, Liger, CCE) at the shape, "
+             "`results/h200/bench_head.json` (NVIDIA H200, torch 2.11, T = 8,192, bf16).", "",
+             assumptions, "", calibrated, "", common.markdown_table(shapes, cols), ""]  # fmt: skip
     for s in shapes:
         top = sorted(s["ops"], key=lambda x: -x["us"])[:12]
         parts += [f"## {s['model']}: the {len(top)} costliest of {s['launches']} launches", "",
@@ -617,7 +698,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--out", default="recipes/benchmarks/results/cost_model", help="folder for cost_model.json and .md")
-    p.add_argument("--models", nargs="+", default=list(ISSUE_ORDER), choices=list(common.MODEL_SHAPES))
+    p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--tokens", type=int, default=8192, help="T")
     p.add_argument("--kmeans_iters", type=int, default=1, help="k-means iterations of the head's index build")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (V / 64, D / 32, T = 256): checks the script")
@@ -633,18 +714,19 @@ def main(argv=None) -> dict:
     settings = {"tokens": t, "dtype": "bfloat16", "kmeans_iters": args.kmeans_iters, "smoke": args.smoke,
                 "trace": "FakeTensorMode at the real shapes; head built for real", "machine": H200}  # fmt: skip
     print(f"== {NAME} ==", *(f"{k:11s} : {v}" for k, v in common.header(env, settings)), sep="\n", flush=True)
-    cce = cce_measured()
+    exact = fastest_exact()
     shapes = []
     for model in args.models:
-        v, d = common.MODEL_SHAPES[model]
+        v, d = SHAPES[model]
         if args.smoke:
             v, d = max(2048, v // 64), max(32, d // 32)
         s = {"model": model, **project(v, d, t, kmeans_iters=args.kmeans_iters)}
-        s["cce_ms"] = cce.get((v, d, t))
-        s["speedup_vs_cce"] = s["cce_ms"] / s["projected_ms"] if s["cce_ms"] else None
+        s["floor_ms"] = exact_floor_ms(v, d, t)
+        s["fastest_exact"] = exact.get((v, d, t))
         parts = ", ".join(f"{p} {x['ms']:.2f}" for p, x in s["parts"].items())
-        print(f"{model:14s} V={v:>7,} D={d:>5,}: {s['launches']} launches, projected {s['projected_ms']:.1f} ms "
-              f"({parts}); CCE measured {s['cce_ms']} ms -> {common.fmt_ratio(s['speedup_vs_cce'], 2)}; "
+        print(f"{model:14s} V={v:>7,} D={d:>5,}: {s['launches']} launches, projected {s['projected_ms']:.2f} ms "
+              f"({parts}), calibrated {s['calibrated_ms']:.2f} ms, CUDA graph {s['calibrated_graph_ms']:.2f} ms; "
+              f"exact floor {s['floor_ms']:.2f} ms; fastest exact measured {s['fastest_exact']}; "
               f"flagged: {_flag_text(s)}", flush=True)  # fmt: skip
         if args.frozen:
             s.update(project_frozen(v, d, t, kmeans_iters=args.kmeans_iters))
@@ -652,7 +734,8 @@ def main(argv=None) -> dict:
                   f"{s['frozen_exact_floor_ms']:.2f} ms", flush=True)
         shapes.append(s)
     md = render(shapes, H200, settings, env) + ("\n" + render_frozen(shapes) if args.frozen else "")
-    payload = {"benchmark": NAME, "settings": settings, "environment": env, "machine": H200, "shapes": shapes}
+    payload = {"benchmark": NAME, "settings": settings, "environment": env, "machine": H200,
+               "calibrated_machine": H200_CALIBRATED, "shapes": shapes}  # fmt: skip
     common.write_outputs(args.out, NAME, payload, md)
     return payload
 

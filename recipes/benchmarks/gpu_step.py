@@ -9,7 +9,8 @@ window's first minutes bring back the most telling figures):
   around every op of the cost model's trace) and summed per part (draw, candidate loss, tail, bookkeeping) beside
   the projection of the same launches;
 * ``head``: head + loss, forward + backward, bf16, T = 8,192, at Gemma-3-270M, Qwen2.5-0.5B, Llama-3-8B, Gemma-2-2B
-  and V = 1,048,576 x D = 1,024: the default head (``MidxConfig()``) with its projection, Cut Cross-Entropy
+  and V = 1,048,576 x D = 1,024: the default head (``MidxConfig()``) with its projection (peak and calibrated),
+  the same step replayed as CUDA graphs (``midx-default/cuda-graph``, checked against the eager step), Cut Cross-Entropy
   (``cut_cross_entropy.linear_cross_entropy``), Liger (``LigerFusedLinearCrossEntropyLoss``), torch's
   ``F.linear_cross_entropy`` (torch >= 2.13) and TRL's chunked loss (``trl.kernels.ChunkedLogProbFunction``, what
   its SFT trainer's default "nll" loss runs, with its chunk of 32,768 classes);
@@ -18,7 +19,8 @@ window's first minutes bring back the most telling figures):
   hidden states, the default head through ``hf_midx.wrap``, and the plain model (full logits);
 * ``merge``: every section's rows in ``gpu_step.json`` and ``gpu_step.md``.
 
-A competitor that does not import (or needs CUDA) is skipped with its reason in its row. Each section writes
+Every head row carries the exact floor (6 T V D FLOPs at 990 TFLOP/s) and the table its ratio to the floor. A
+competitor that does not import (or needs CUDA) is skipped with its reason in its row. Each section writes
 ``OUT/gpu_step_<section>.json`` (device, versions of torch / triton / transformers / CCE / Liger / TRL, git commit,
 rows with median ms); ``--deadline_s`` skips the section's remaining cases once it has run that long.
 
@@ -44,7 +46,7 @@ else:  # run as a file: this folder is first on sys.path
 
 NAME = "gpu_step"
 SECTIONS = ("micro", "parts", "head", "train", "merge")
-HEAD_SHAPES = {**{m: common.MODEL_SHAPES[m] for m in cost_model.ISSUE_ORDER}, "v1m-d1024": (1048576, 1024)}
+HEAD_SHAPES = cost_model.SHAPES
 COMPETITORS = ("cce", "liger", "torch-lce", "trl-chunked")
 
 
@@ -210,6 +212,42 @@ def parts(args, device, dtype, deadline) -> list[dict]:
     return [row]
 
 
+def graphed_loss(midx, weight, hidden, labels):
+    """The default head's loss, forward and backward, captured as CUDA graphs (``torch.cuda.make_graphed_callables``:
+    static input buffers, one replay each way) and replayed at every call: (hidden, labels) -> loss, gradients
+    flowing to ``hidden`` and ``weight`` as the eager call's do. The step has one shape and reads nothing back to
+    the host (what tests/test_cost_model.py holds on the CPU); the sampler's tables and its generator's state are
+    updated in place, so the graph sees the live ones."""
+    fn = torch.cuda.make_graphed_callables(lambda h, w, y: midx.loss(h, y, weight=w), (hidden, weight, labels))
+    return lambda h, y: fn(h, weight, y)
+
+
+def _graphed(midx, weight, hidden, labels, device, args, deadline, clear, rec, projected) -> dict:
+    """The ``midx-default/cuda-graph`` row: the replayed step's median, whether its loss and gradients are the
+    eager step's from the same generator state, and the calibrated projection of a replayed step."""
+    rec = {**rec, "calibrated_ms": projected.get("calibrated_graph_ms")}
+    if device.type != "cuda":
+        return {**rec, "case": "midx-default/cuda-graph", "skipped": "needs CUDA (torch.cuda.make_graphed_callables)"}
+    if deadline.over():  # the capture's warm-up calls take time too
+        return {**rec, "case": "midx-default/cuda-graph", "skipped": "the section's deadline passed"}
+    try:
+        state = midx.sampler_state()["generator_state"]
+        clear()
+        eager = midx.loss(hidden, labels)
+        eager.backward()
+        grads = hidden.grad.clone(), weight.grad.clone()
+        fn = graphed_loss(midx, weight, hidden, labels)  # its warm-up calls advance the generator
+        midx.load_sampler_state({**midx.sampler_state(), "generator_state": state})
+        clear()
+        replayed = fn(hidden, labels)
+        replayed.backward()
+        same = bool(torch.equal(eager, replayed) and torch.equal(grads[0], hidden.grad) and torch.equal(grads[1], weight.grad))
+    except Exception as err:  # noqa: BLE001 (recorded: the other rows go on)
+        return {**rec, "case": "midx-default/cuda-graph", "skipped": f"capture failed: {_why(err)}"}
+    return _timed("midx-default/cuda-graph", lambda: (clear(), fn(hidden, labels).backward()), device, args, deadline,
+                  clear, **rec, matches_eager=same)  # fmt: skip
+
+
 def head(args, device, dtype, deadline) -> list[dict]:
     """Head + loss, forward + backward, at each shape: the default head with its projection, then each competitor."""
     t = args.tokens or (64 if args.smoke else 8192)
@@ -220,7 +258,8 @@ def head(args, device, dtype, deadline) -> list[dict]:
         if args.smoke:
             v, d = max(2048, v // 256), max(32, d // 32)
         counts, weight, hidden, labels = _inputs(v, d, t, device, dtype)
-        common_rec = {"section": "head", "model": model, "V": v, "D": d, "T": t}
+        common_rec = {"section": "head", "model": model, "V": v, "D": d, "T": t,
+                      "exact_floor_ms": cost_model.exact_floor_ms(v, d, t)}  # fmt: skip
 
         def clear():
             hidden.grad = weight.grad = None
@@ -233,8 +272,11 @@ def head(args, device, dtype, deadline) -> list[dict]:
             flags = sorted({f"{x['op']}: {f}" for x in projected.get("flagged", []) for f in x["flags"]})
             rows.append(_timed("midx-default", lambda: (clear(), midx.loss(hidden, labels).backward()), device, args,
                                deadline, clear, **common_rec, projected_ms=projected.get("projected_ms"),
+                               calibrated_ms=projected.get("calibrated_ms"),
+                               calibrated_graph_ms=projected.get("calibrated_graph_ms"),
                                projected_parts={p: x["ms"] for p, x in projected.get("parts", {}).items()}, flags=flags,
                                projection_error=projected.get("error")))  # fmt: skip
+            rows.append(_graphed(midx, weight, hidden, labels, device, args, deadline, clear, common_rec, projected))
             midx = None
         for name in COMPETITORS:
             fn, why, version = kernels[name]
@@ -341,6 +383,13 @@ def merge(out: Path) -> dict:
             ("projected", lambda r: common.fmt_ms(r.get("projected_ms"))),
             ("measured / projected", lambda r: common.fmt_ratio(r["ms"] / r["projected_ms"], 2)
              if r.get("ms") and r.get("projected_ms") else "-"),
+            ("calibrated", lambda r: common.fmt_ms(r.get("calibrated_ms"))),
+            ("calibrated, CUDA graph", lambda r: common.fmt_ms(r.get("calibrated_graph_ms"))),
+            ("measured / calibrated", lambda r: common.fmt_ratio(r["ms"] / r["calibrated_ms"], 2)
+             if r.get("ms") and r.get("calibrated_ms") else "-"),
+            ("exact floor", lambda r: common.fmt_ms(r.get("exact_floor_ms"))),
+            ("floor / median (> 1: faster than the floor)", lambda r: common.fmt_ratio(r["exact_floor_ms"] / r["ms"], 2)
+             if r.get("ms") and r.get("exact_floor_ms") else "-"),
             ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "-"),
             ("flags", lambda r: "; ".join(r.get("flags") or []) or "-")]  # fmt: skip
     md = common.report("The default head's step on one GPU, against the exact fused losses", env,
