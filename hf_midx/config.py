@@ -89,26 +89,22 @@ class MidxConfig:
     refresh_every_steps: int | str = field(
         default="auto",
         metadata={
-            "help": "When to rebuild the sampler from the current head weight. 'auto' (default): every N optimizer "
-            "steps, N chosen from the measured seconds of a rebuild and of a step so that rebuilds take at most "
-            "refresh_budget of the training time, within [refresh_min_steps, refresh_max_steps] (chosen after a "
-            "few steps and again after each rebuild; logged, as is every rebuild with its reason). An integer N: "
-            "every N optimizer steps. 0: never (only at epoch starts, with refresh_every_epoch)."
+            "help": "Rebuild the index every N optimizer steps. 'auto': N from the measured seconds of a rebuild and "
+            "a step (rebuilds take refresh_budget of the time; logged). 0: never."
         },
     )
     refresh_budget: float = field(
         default=0.03,
-        metadata={"help": "With refresh_every_steps='auto': the share of training time the rebuilds may take."},
+        metadata={"help": "'auto' refresh: the share of training time the rebuilds may take."},
     )
     refresh_min_steps: int = field(
         default=50,
-        metadata={"help": "With refresh_every_steps='auto': the fewest steps between rebuilds, however cheap."},
+        metadata={"help": "'auto' refresh: the fewest steps between rebuilds."},
     )
     refresh_max_steps: int = field(
         default=1000,
         metadata={
-            "help": "With refresh_every_steps='auto': the most steps between rebuilds, however costly (it wins over "
-            "refresh_budget; the log says the interval chosen)."
+            "help": "'auto' refresh: the most steps between rebuilds (it wins over refresh_budget)."
         },
     )
     refresh_every_epoch: bool = field(
@@ -144,11 +140,9 @@ class MidxConfig:
         metadata={
             "help": "H: the H most frequent classes (by the class_counts given to wrap) are scored exactly for every "
             "token with one (T, H) matmul and excluded from the proposal, which then only estimates the tail's "
-            "share of the partition function. 'auto' (default): the smallest H whose classes hold "
-            f"{defaults.EXACT_HEAD_SHARE:.0%} of the training tokens, at most {defaults.EXACT_HEAD_MAX} and V/8 "
-            "(chosen at wrap and logged; midx_config.json and the card show the H in use). An integer: that H, "
-            "lowered to V/8 with a warning when larger (see for_vocabulary). 0: off. Needs class_counts "
-            "(without them it is off, with a warning)."
+            "share of the partition function. 'auto': the fewest holding "
+            f"{defaults.EXACT_HEAD_SHARE:.0%} of the tokens, at most {defaults.EXACT_HEAD_MAX} and V/8 (logged). "
+            "0: off. At most V/8 (lowered, with a warning). Needs class_counts (else off, with a warning)."
         },
     )
     tail_gradient: str = field(
