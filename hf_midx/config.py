@@ -31,7 +31,6 @@ CONFIG_NAME = "midx_config.json"
 
 #: ``exact_head`` is at most V / EXACT_HEAD_FRACTION classes (see :meth:`MidxConfig.for_vocabulary`).
 EXACT_HEAD_FRACTION = 8
-_DEFAULT_EXACT_HEAD = 2048
 
 #: ``num_samples`` when left unset, per ``negatives`` mode: M per token, or the size of the batch's one pool.
 DEFAULT_NUM_SAMPLES = {"per-query": 20, "shared": 1024}
@@ -87,10 +86,25 @@ class MidxConfig:
             "trained with the reconstruction + KL objective (MIDX samplers only)."
         },
     )
-    refresh_every_steps: int = field(
-        default=0,
+    refresh_every_steps: int | str = field(
+        default="auto",
         metadata={
-            "help": "Rebuild the sampler from the current head weight every this many optimizer steps (0: never)."
+            "help": "Rebuild the index every N optimizer steps. 'auto': N from the measured seconds of a rebuild and "
+            "a step (rebuilds take refresh_budget of the time; logged). 0: never."
+        },
+    )
+    refresh_budget: float = field(
+        default=0.03,
+        metadata={"help": "'auto' refresh: the share of training time the rebuilds may take."},
+    )
+    refresh_min_steps: int = field(
+        default=50,
+        metadata={"help": "'auto' refresh: the fewest steps between rebuilds."},
+    )
+    refresh_max_steps: int = field(
+        default=1000,
+        metadata={
+            "help": "'auto' refresh: the most steps between rebuilds (it wins over refresh_budget)."
         },
     )
     refresh_every_epoch: bool = field(
@@ -121,13 +135,14 @@ class MidxConfig:
             "'exact-positive': as is (the paper's text; without an exact head it trains worse)."
         },
     )
-    exact_head: int = field(
-        default=_DEFAULT_EXACT_HEAD,
+    exact_head: int | str = field(
+        default="auto",
         metadata={
             "help": "H: the H most frequent classes (by the class_counts given to wrap) are scored exactly for every "
             "token with one (T, H) matmul and excluded from the proposal, which then only estimates the tail's "
-            "share of the partition function. 0: off. At most V/8: a larger value is lowered to V/8 (with a "
-            "warning, see for_vocabulary). Needs class_counts (without them it is off, with a warning)."
+            "share of the partition function. 'auto': the fewest holding "
+            f"{defaults.EXACT_HEAD_SHARE:.0%} of the tokens, at most {defaults.EXACT_HEAD_MAX} and V/8 (logged). "
+            "0: off. At most V/8 (lowered, with a warning). Needs class_counts (else off, with a warning)."
         },
     )
     tail_gradient: str = field(
@@ -247,8 +262,7 @@ class MidxConfig:
                 f"codebooks='learned' needs a MIDX sampler ({', '.join(midx)}), but sampler={self.sampler!r} has "
                 "no codebooks; use codebooks='kmeans' or pick a MIDX sampler."
             )
-        self._check_int("refresh_every_steps", 0)
-        self._check_bool("refresh_every_epoch")
+        self._check_refresh()
         # The option fields are valid whatever the sampler (a saved config may switch samplers later); each is
         # checked by a sampler that reads it.
         check_option_values({name: getattr(self, name) for name in _OPTIONS_WITH_FIELDS})
@@ -280,7 +294,8 @@ class MidxConfig:
         check_sampler_options(self.sampler, self.sampler_options)
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}.")
-        self._check_int("exact_head", 0)
+        if self.exact_head != "auto":
+            self._check_int("exact_head", 0, auto=True)
         if self.kernels not in KERNEL_MODES:
             raise ValueError(
                 f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}; 'auto' takes the fused kernels "
@@ -306,8 +321,22 @@ class MidxConfig:
                 f"label_smoothing must be in [0, 1) (e.g. 0.1; 0 turns it off), got {self.label_smoothing}."
             )
 
-    def _check_int(self, name: str, minimum: int) -> None:
-        check_positive_int(name, getattr(self, name), minimum=minimum)
+    def _check_refresh(self) -> None:
+        """The refresh schedule's fields (see :mod:`hf_midx.integration.refresh_schedule`)."""
+        if self.refresh_every_steps != "auto":
+            self._check_int("refresh_every_steps", 0, auto=True)
+        self._check_float("refresh_budget", positive=True)
+        if self.refresh_budget >= 1:
+            raise ValueError(f"refresh_budget is a share of training time in (0, 1), got {self.refresh_budget!r}.")
+        self._check_int("refresh_min_steps", 1)
+        self._check_int("refresh_max_steps", self.refresh_min_steps)
+        self._check_bool("refresh_every_epoch")
+
+    def _check_int(self, name: str, minimum: int, *, auto: bool = False) -> None:
+        value = getattr(self, name)
+        if auto and isinstance(value, str):
+            raise ValueError(f"{name} must be 'auto' or an integer >= {minimum}, got {value!r}.")
+        check_positive_int(name, value, minimum=minimum)
 
     def _check_bool(self, name: str) -> None:
         value = getattr(self, name)
@@ -337,22 +366,21 @@ class MidxConfig:
         """The config as a head of ``num_classes`` (V) classes uses it: ``exact_head`` at most V // 8.
 
         A larger ``exact_head`` would leave the proposal too few classes to sample from; it is lowered, with
-        a warning when the value was set by hand (the default, made for V in the tens of thousands, is lowered
-        quietly on a small vocabulary). Returns ``self`` when nothing changes, else a copy: save that one, so
+        a warning. The default ``"auto"`` is left to the head, which chooses it within V/8 from the class
+        counts (and logs the choice). Returns ``self`` when nothing changes, else a copy: save that one, so
         that ``midx_config.json`` and the model card show the value in use.
         """
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
             raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}.")
         limit = num_classes // EXACT_HEAD_FRACTION
-        if self.exact_head <= limit:
-            return self
-        if self.exact_head != _DEFAULT_EXACT_HEAD:
-            warnings.warn(
-                f"MidxConfig: exact_head={self.exact_head} is more than V/{EXACT_HEAD_FRACTION} = {limit} for a "
-                f"vocabulary of {num_classes}; using exact_head={limit}.",
-                UserWarning,
-                stacklevel=2,
-            )
+        if self.exact_head == "auto" or self.exact_head <= limit:
+            return self  # "auto" is chosen within V/8 at wrap, from the counts (hf_midx.losses.exact_head)
+        warnings.warn(
+            f"MidxConfig: exact_head={self.exact_head} is more than V/{EXACT_HEAD_FRACTION} = {limit} for a "
+            f"vocabulary of {num_classes}; using exact_head={limit}.",
+            UserWarning,
+            stacklevel=2,
+        )
         return dataclasses.replace(self, exact_head=limit)
 
     def replace(self, **changes) -> "MidxConfig":

@@ -89,7 +89,7 @@ def word_tokenizer(vocab_size: int):
 
 def main(argv: Sequence[str] | None = None) -> dict:
     started = time.perf_counter()
-    MidxArguments = lm_args.midx_arguments(refresh_every_steps=100)
+    MidxArguments = lm_args.midx_arguments()  # the library's defaults
     defaults = {
         **lm_args.recipe_training_defaults("runs/large_vocab"),
         "max_steps": 10_000,

@@ -76,7 +76,9 @@ def midx_arguments(**defaults: Any) -> type:
         else:
             default = f.default_factory()
         default = defaults.get(f.name, default)
-        if kind is dict or typing.get_origin(kind) is dict:
+        if _auto_or_int(kind):
+            kind, default = str, str(default)  # "auto" or a number, made an int by midx_config_from
+        elif kind is dict or typing.get_origin(kind) is dict:
             kind, default = str, json.dumps(default)
             help_text += " Given as JSON, e.g. '{\"rff_temperature\": 2.0}'."
         if f.name == "sampler":
@@ -85,6 +87,11 @@ def midx_arguments(**defaults: Any) -> type:
     cls = dataclasses.make_dataclass("MidxArguments", specs)
     cls.__doc__ = "MIDX options (hf_midx.MidxConfig's fields), or --sampler full for the full-softmax baseline."
     return cls
+
+
+def _auto_or_int(kind) -> bool:
+    """A ``MidxConfig`` field typed ``int | str``: ``"auto"`` or a number (``refresh_every_steps``, ``exact_head``)."""
+    return set(typing.get_args(kind)) == {int, str}
 
 
 def midx_config_from(midx_args: Any, seed: int):
@@ -108,6 +115,12 @@ def midx_config_from(midx_args: Any, seed: int):
                 raise RecipeError(
                     f"--{name} must be a JSON object, e.g. '{{\"rff_temperature\": 2.0}}' ({err})."
                 ) from None
+    for name, kind in hints.items():
+        if name in values and _auto_or_int(kind) and isinstance(values[name], str) and values[name] != "auto":
+            try:
+                values[name] = int(values[name])
+            except ValueError:
+                raise RecipeError(f"--{name} must be 'auto' or an integer, got {values[name]!r}.") from None
     values["seed"] = seed
     if sampler == FULL:
         values["sampler"] = MidxConfig.sampler  # validate the rest as if sampling

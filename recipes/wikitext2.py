@@ -36,10 +36,9 @@ SAMPLE_DIR = Path(__file__).resolve().parent / "data" / "wikitext2_sample"
 SAMPLE_NAME = "recipes/data/wikitext2_sample"  # as messages show it: no path of this machine
 HUB_DATASET, HUB_CONFIG = "Salesforce/wikitext", "wikitext-2-v1"
 SPLITS = ("train", "validation", "test")
-#: Where the recipe differs from MidxConfig: a refresh every 100 steps, which keeps a run of one epoch or
-#: less off the index of the random initial weights (the library's refresh at each epoch start alone would
-#: never rebuild it).
-MIDX_DEFAULTS = {"refresh_every_steps": 100}
+#: Where the recipe differs from MidxConfig: nowhere (the refresh interval is chosen from the measured cost,
+#: issue 54; the recipe used to set 100).
+MIDX_DEFAULTS: dict = {}
 
 
 @dataclass

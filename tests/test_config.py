@@ -24,12 +24,13 @@ def test_defaults_are_valid_and_documented():
     config = MidxConfig()
     assert config.sampler == "midx-rq" and config.num_samples == 20 and config.codebook_size == 32
     assert config.negatives == "per-query" and config.codebooks == "kmeans"
-    assert config.refresh_every_steps == 0 and config.refresh_every_epoch is True
+    assert config.refresh_every_steps == "auto" and config.refresh_every_epoch is True
+    assert (config.refresh_budget, config.refresh_min_steps, config.refresh_max_steps) == (0.03, 50, 1000)
     assert config.kmeans_iters == 20 and config.kmeans_backend == "torch"
     assert config.remove_accidental_hits is None and config.seed == 0 and config.sampler_options == {}
     assert config.codebook_learning_rate == 1e-3 and config.kl_weight == 1.0 and config.kl_queries == 64
     assert config.log_kl is True
-    assert config.estimator == "corrected-positive" and config.exact_head == 2048
+    assert config.estimator == "corrected-positive" and config.exact_head == "auto"
     assert config.mix_weight == 0.5 and config.mix_static == "unigram" and config.last_stage == "uniform"
     for f in dataclasses.fields(MidxConfig):
         assert f.metadata.get("help"), f"field {f.name} has no help"
@@ -138,6 +139,11 @@ def test_every_registered_sampler_is_accepted(name):
         (dict(codebooks="random"), "codebooks must be one of"),
         (dict(sampler="uniform", codebooks="learned"), "codebooks='learned' needs a MIDX sampler"),
         (dict(refresh_every_steps=-1), "refresh_every_steps must be an integer >= 0"),
+        (dict(refresh_every_steps="often"), "refresh_every_steps must be 'auto' or an integer >= 0"),
+        (dict(refresh_budget=0.0), "refresh_budget must be a finite number > 0"),
+        (dict(refresh_budget=1.5), r"refresh_budget is a share of training time in \(0, 1\)"),
+        (dict(refresh_min_steps=0), "refresh_min_steps must be an integer >= 1"),
+        (dict(refresh_min_steps=100, refresh_max_steps=10), "refresh_max_steps must be an integer >= 100"),
         (dict(refresh_every_epoch="yes"), "refresh_every_epoch must be True or False"),
         (dict(kmeans_iters=-1), "kmeans_iters"),
         (dict(kmeans_backend="sklearn"), "kmeans_backend must be one of"),
@@ -158,6 +164,7 @@ def test_every_registered_sampler_is_accepted(name):
         (dict(sampler_options={"mix_weight": 0.1}), "Set mix_weight as MidxConfig field"),
         (dict(estimator="biased"), "estimator must be one of"),
         (dict(exact_head=-1), "exact_head must be an integer >= 0"),
+        (dict(exact_head="max"), "exact_head must be 'auto' or an integer >= 0"),
         (dict(mix_weight=1.0), r"mix_weight must be a number in \[0, 1\)"),
         (dict(mix_weight="half"), "mix_weight must be a number"),
         (dict(mix_static="zipf"), "mix_static must be one of"),
@@ -288,7 +295,9 @@ def test_for_vocabulary_lowers_exact_head_to_a_eighth_of_v_and_warns_for_a_set_v
     assert MidxConfig().for_vocabulary(100_000) == MidxConfig()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert MidxConfig().for_vocabulary(300).exact_head == 37  # the default, quietly
+        assert MidxConfig().for_vocabulary(300).exact_head == "auto"  # chosen within V/8 by the head, from counts
+    with pytest.warns(UserWarning, match=r"exact_head=2048 is more than V/8 = 37"):  # today's old default, by hand
+        assert MidxConfig(exact_head=2048).for_vocabulary(300).exact_head == 37
     with pytest.warns(UserWarning, match=r"exact_head=999999 is more than V/8 = 125 .*using exact_head=125"):
         used = MidxConfig(exact_head=999999).for_vocabulary(1000)
     assert used.exact_head == 125 and used.replace(exact_head=999999) == MidxConfig(exact_head=999999)

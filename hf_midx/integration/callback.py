@@ -2,7 +2,8 @@
 
 Install it on a Trainer whose model was wrapped with :func:`hf_midx.wrap`: ``MidxCallback.install(trainer)``
 (MidxTrainer does this itself). It decides *when*; the work is in the modules it calls. It rebuilds the index
-every ``refresh_every_steps`` optimizer steps and/or at each epoch start (:mod:`hf_midx.integration.distributed`: gathered,
+on the schedule of :mod:`hf_midx.integration.refresh_schedule` (``refresh_every_steps``: an interval chosen from the
+measured cost by default, a fixed one, or never; each rebuild logged with its reason) and/or at each epoch start (:mod:`hf_midx.integration.distributed`: gathered,
 rebuilt on rank 0, broadcast); trains learned codebooks every step (:mod:`hf_midx.integration.learned_codebooks`); adds to
 each log entry with ``loss`` the proposal diagnostics (``midx/kl``...) and ``midx/train_loss_exact``, the exact
 loss of the last micro-batch (the Trainer's ``loss`` is the *sampled* objective), averaged over processes;
@@ -35,7 +36,7 @@ from .head import MidxLMHead, find_head
 from .learned_codebooks import CodebookTraining
 from .model_card import write_model_card
 from .nonfinite import ADVICE, MidxNonFiniteError, NonFiniteCheck
-from ..registry import SAMPLERS  # any hf_midx import runs hf_midx/__init__, which registers the samplers
+from .refresh_schedule import RefreshSchedule
 from .state import find_resume_folder, has_state
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class MidxCallback(TrainerCallback):
         head: the wrapped head being trained (found at train start).
         codebooks: the :class:`~hf_midx.integration.learned_codebooks.CodebookTraining` (``codebooks="learned"``), or None.
         last_refresh_step: the optimizer step of the last refresh (-1: none since training started).
+        schedule: the :class:`~hf_midx.integration.refresh_schedule.RefreshSchedule` (set at train start).
         installed: True when :meth:`install` placed it.
     """
 
@@ -80,6 +82,7 @@ class MidxCallback(TrainerCallback):
         self.head: MidxLMHead | None = None
         self.codebooks: CodebookTraining | None = None
         self.last_refresh_step = -1
+        self.schedule: RefreshSchedule | None = None
         self.resume_from_checkpoint = None if resume_from_checkpoint is None else os.fspath(resume_from_checkpoint)
         self.installed = False
         self._pending: dict[str, torch.Tensor | float] = {}
@@ -129,15 +132,6 @@ class MidxCallback(TrainerCallback):
         if head.frozen:  # its weight never changes: the index built at wrap time stays right
             logger.warning("MidxCallback: the LM head is frozen (its weight and bias require no grad), so its index "
                            "is kept as built and never refreshed.")
-        if state.global_step == 0 and SAMPLERS[config.sampler].query_dependent and not config.refresh_every_steps \
-                and state.num_train_epochs <= 1 and not head.frozen:  # fmt: skip
-            # Epoch-start refreshes never fire in a run of one epoch or less: the index would stay the initial one.
-            warnings.warn(
-                f"MidxCallback: this run is {state.max_steps} steps, at most one epoch, and the {config.sampler} "
-                "index is only rebuilt at epoch starts, so it would keep the initial weights' index for the whole "
-                "run. Set MidxConfig(refresh_every_steps=N) (e.g. 100).",
-                stacklevel=2,
-            )
         report_to = [args.report_to] if isinstance(args.report_to, str) else args.report_to or []
         reporters = [r for r in report_to if r != "none"]
         if reporters and not self.installed:
@@ -151,12 +145,14 @@ class MidxCallback(TrainerCallback):
         head.step_data.clear(local_device(head.weight))  # where the model now trains
         head.step_data.scheduled = True  # the host binding's "no MidxCallback" warning stays quiet
         self._nonfinite.start(state.global_step, state.epoch)
+        rebuild_seconds = head.build_seconds
         if sampler_device(head) != local_device(head.weight):
-            refresh_head(head)  # the model moved (e.g. to the GPU): rebuild the sampler where the weight lives
+            # The model moved (e.g. to the GPU): rebuild the sampler where the weight lives (and time it there).
+            rebuild_seconds = refresh_head(head)
         seed = config.seed + args.process_index  # all ranks share rank 0's index; each draws its own negatives
         if state.global_step == 0:
             broadcast_sampler(head, seed=seed)
-        self.last_refresh_step = -1
+        self.last_refresh_step, saved = -1, None
         self.codebooks = CodebookTraining(head.sampler_state(), config) if config.codebooks == "learned" else None
         if state.global_step > 0:
             candidates = [self.resume_from_checkpoint, getattr(args, "resume_from_checkpoint", None),
@@ -167,6 +163,9 @@ class MidxCallback(TrainerCallback):
             load_head_state(saved, head, self.codebooks, seed=seed)
             self.last_refresh_step = saved.last_refresh_step
             explain_tied_weights(model, head)
+        self.schedule = RefreshSchedule(config)
+        self.schedule.start(state.global_step, rebuild_seconds, local_device(head.weight),
+                            None if saved is None else saved.metadata)
         self.resume_from_checkpoint = None
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -179,24 +178,29 @@ class MidxCallback(TrainerCallback):
         if (self.head is not None and self.head.config.refresh_every_epoch and state.global_step > 0
                 and not self.head.frozen and state.epoch is not None and float(state.epoch).is_integer()
                 and state.global_step != self.last_refresh_step):  # fmt: skip
-            self.refresh(state)
+            self.refresh(state, reason="the start of an epoch (refresh_every_epoch)")
 
     def on_step_end(self, args, state, control, **kwargs):
         head = self.head
         if head is None:
             return
         self._nonfinite.mark(head.step_data, state.global_step, state.epoch)
-        every = head.config.refresh_every_steps
-        refresh = bool(every) and state.global_step % every == 0 and not head.frozen
+        chosen = self.schedule.choose(state.global_step)
+        if chosen is not None:
+            self._chose(chosen)
+        reason = self.schedule.due(state.global_step)
+        refresh = reason is not None and not head.frozen
         if refresh or control.should_log or control.should_save or control.should_evaluate \
                 or control.should_training_stop or state.global_step >= state.max_steps:  # fmt: skip
             self.check_finite(state)
         if self.codebooks is not None and head.step_data.queries is not None:
             self._codebook_step(state)
         if refresh:
-            self.refresh(state)
+            self.refresh(state, reason=reason)
         if control.should_log:
             self._measure()
+            if self.schedule.refresh_seconds:
+                self._pending["midx/refresh_share"] = self.schedule.share()
 
     def on_epoch_end(self, args, state, control, **kwargs):
         if self.head is not None and control.should_log:  # logging_strategy="epoch"
@@ -220,9 +224,10 @@ class MidxCallback(TrainerCallback):
             self.save(folder, args)  # unless written before the Trainer's files (install's save_model)
 
     # ------------------------------------------------------------------ actions
-    def refresh(self, state=None) -> float:
+    def refresh(self, state=None, *, reason: str = "called") -> float:
         """Rebuild the index now (collective; k-means, or the learned codebooks' hard codes); returns and logs
-        the seconds it took."""
+        the seconds it took, with ``reason`` and the proposal's ESS on the last batch before and after."""
+        ess_before = self._ess()
         seconds = refresh_head(self.head, None if self.codebooks is None else self.codebooks.codebooks())
         if seconds is None:
             where = "" if state is None else f" after training step {state.global_step}"
@@ -232,14 +237,23 @@ class MidxCallback(TrainerCallback):
             )
         if self.codebooks is not None:
             self.codebooks.broadcast()
+        where = ""
         if state is not None:
             self.last_refresh_step = state.global_step
+            where = f" after step {state.global_step}"
+            if self.schedule is not None:
+                chosen = self.schedule.refreshed(state.global_step, seconds)
+                if chosen is not None:
+                    self._chose(chosen)
+        ess = "" if ess_before is None else f"; ESS/M on the last batch {ess_before:.3f} -> {self._ess():.3f}"
+        logger.info("hf_midx: index rebuilt%s in %.3g s: %s%s.", where, seconds, reason, ess)
         self._pending["midx/refresh_seconds"] = seconds
         return seconds
 
     def save(self, folder: str, args) -> None:
         """Write the MIDX state of this rank into ``folder`` (every rank calls it)."""
-        save_head_state(folder, self.head, self.codebooks, last_refresh_step=self.last_refresh_step, args=args)
+        save_head_state(folder, self.head, self.codebooks, last_refresh_step=self.last_refresh_step, args=args,
+                        schedule=None if self.schedule is None else self.schedule.state())
         self._saved_folder = os.path.abspath(folder)
 
     def check_finite(self, state) -> None:
@@ -273,6 +287,19 @@ class MidxCallback(TrainerCallback):
             self.check_finite(state)  # NaN in the weight or the queries: say where it came from
             raise
         self._pending["midx/codebook_loss"], self._pending["midx/codebook_kl"] = out["loss"], out["kl"]
+
+    def _chose(self, message: str) -> None:
+        """An interval chosen by the ``"auto"`` schedule: in the log, and in the next log entry."""
+        logger.info("hf_midx: %s.", message)
+        self._pending["midx/refresh_interval"] = float(self.schedule.interval)
+
+    def _ess(self) -> float | None:
+        """The proposal's ESS / M on the last batch's held queries (averaged over ranks; a sync), or None."""
+        head = self.head
+        if head is None or not head.config.log_kl or head.step_data.queries is None:
+            return None
+        with full_head_weight(head) as (weight, bias):
+            return float(mean_over_ranks(head.proposal_diagnostics(head.step_data.queries, weight, bias)["ess"]))
 
     def _measure(self) -> None:
         """The proposal diagnostics and the exact loss of the last micro-batch, for the next log entry."""

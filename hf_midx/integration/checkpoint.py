@@ -47,9 +47,10 @@ def load_head_state(saved: SavedState, head, codebooks, *, seed: int) -> None:
         codebooks.load(saved.extra, saved.metadata)
 
 
-def save_head_state(folder: str, head, codebooks, *, last_refresh_step: int, args) -> None:
+def save_head_state(folder: str, head, codebooks, *, last_refresh_step: int, args,
+                    schedule: dict[str, str] | None = None) -> None:
     """Write this rank's MIDX state into ``folder`` (every rank calls it; ``args``: the TrainingArguments;
-    ``codebooks``: as in :func:`load_head_state`)."""
+    ``codebooks``: as in :func:`load_head_state`; ``schedule``: the refresh schedule's state, strings)."""
     sampler = head.sampler_state()
     save_state(
         folder,
@@ -60,7 +61,7 @@ def save_head_state(folder: str, head, codebooks, *, last_refresh_step: int, arg
         last_refresh_step=last_refresh_step,
         exact_ids=head.exact_ids,
         extra=None if codebooks is None else codebooks.tensors(),
-        extra_metadata=None if codebooks is None else codebooks.metadata(),
+        extra_metadata={**(schedule or {}), **({} if codebooks is None else codebooks.metadata())},
         rank=args.process_index,
         world_size=args.world_size,
         write_shared=args.should_save,

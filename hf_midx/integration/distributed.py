@@ -50,6 +50,13 @@ def min_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def max_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of ``value`` over the processes, in place; returns it."""
+    if is_distributed():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value
+
+
 def average_gradients(params: Iterable[torch.nn.Parameter]) -> None:
     """Replace each parameter's gradient by its mean over the processes (in place)."""
     if is_distributed():
@@ -160,6 +167,7 @@ __all__ = [
     "full_head_weight",
     "is_distributed",
     "local_device",
+    "max_over_ranks",
     "mean_over_ranks",
     "min_over_ranks",
     "rank",

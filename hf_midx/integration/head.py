@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ from torch import nn
 from ..config import MidxConfig
 from .diagnostics import proposal_diagnostics
 from .kernel_guard import KernelGuard
-from ..losses.exact_head import exact_head_ids
+from ..losses.exact_head import auto_exact_head, exact_head_ids
 from ..losses import full_softmax_loss, sampled_softmax_loss
 from ..registry import build_sampler  # any hf_midx import runs hf_midx/__init__, which registers the samplers
 from .step_data import StepData
@@ -58,13 +59,18 @@ class MidxLMHead(nn.Module):
         self.__dict__["linear"] = linear  # kept out of _modules so its keys do not appear twice
         self.num_classes, self._in_features = (int(n) for n in full_shape(self.weight))  # wrap gathers a ZeRO-3 one
         # The values in use (exact_head at most V / 8): what midx_config.json and the card then show.
-        config = self.config = config.for_vocabulary(self.num_classes)
+        config = config.for_vocabulary(self.num_classes)
+        if config.exact_head == "auto" and class_counts is not None:  # without counts: warned and off below
+            config = dataclasses.replace(config, exact_head=auto_exact_head(class_counts, self.num_classes))
+        self.config = config
         self.logit_softcap, self.logit_scale, self.binding = logit_softcap, float(logit_scale), None
         self.step_data = StepData(config.kl_queries, self.weight.device)
         self._class_counts, self._exact_depth = class_counts, 0
         self.kernel_guard = KernelGuard()  # "auto"'s first call on each device
         self.exact_ids: torch.Tensor | None = exact_head_ids(config.exact_head, class_counts, self.num_classes)
+        started = time.perf_counter()
         self.sampler = self._build_sampler(self.weight)  # a hf_midx.Sampler (no import: the head stays below them)
+        self.build_seconds = time.perf_counter() - started  # what a rebuild costs, for the refresh schedule
         # What is in use, for midx_config.json and the model card: without class counts there is no exact head,
         # and a MIDX sampler mixes in no unigram and draws uniformly inside buckets (both warned).
         effective = {"exact_head": 0} if self.exact_ids is None and config.exact_head else {}

@@ -76,9 +76,14 @@ def _round(value: float, digits: int = 4) -> float | str:
     return float(f"{value:.{digits}g}")
 
 
-def _refresh_schedule(config: MidxConfig) -> str:
+def _refresh_schedule(config: MidxConfig, history: list) -> str:
     parts = []
-    if config.refresh_every_steps:
+    if config.refresh_every_steps == "auto":
+        chosen = [int(e["midx/refresh_interval"]) for e in history if "midx/refresh_interval" in e]
+        last = f" (last chosen: {chosen[-1]})" if chosen else ""
+        parts.append(f"every N optimizer steps, N chosen from the measured cost at a budget of "
+                     f"{config.refresh_budget:.0%} of training time{last}")
+    elif config.refresh_every_steps:
         parts.append(f"every {config.refresh_every_steps} optimizer steps")
     if config.refresh_every_epoch:
         parts.append("at the start of every epoch")
@@ -148,7 +153,8 @@ def midx_training_facts(
         "remove_accidental_hits": drops_accidental_hits(config.remove_accidental_hits, config.estimator),
         "estimator": config.estimator,
         # The value in use: a head of V classes scores at most V / 8 exactly (MidxConfig.for_vocabulary).
-        "exact_head": min(config.exact_head, num_classes // EXACT_HEAD_FRACTION) if num_classes else config.exact_head,
+        "exact_head": (min(config.exact_head, num_classes // EXACT_HEAD_FRACTION)
+                       if num_classes and config.exact_head != "auto" else config.exact_head),
         "mixture_text": (
             f"{config.mix_weight:g} x {config.mix_static} + {1 - config.mix_weight:g} x MIDX"
             if "mix_weight" in own and config.mix_weight > 0
@@ -161,7 +167,7 @@ def midx_training_facts(
         "codebooks_text": codebooks_text,
         "refresh_every_steps": config.refresh_every_steps,
         "refresh_every_epoch": config.refresh_every_epoch,
-        "refresh_schedule": _refresh_schedule(config),
+        "refresh_schedule": _refresh_schedule(config, history),
         "num_classes": num_classes,
         "tokenizer_size": tokenizer_size if tokenizer_size not in (None, num_classes) else None,
         "eval_loss": _round(eval_loss),

@@ -66,6 +66,10 @@ CONFIGS: dict[str, dict | None] = {
     "expected-r50": {"tail_gradient": "expected", "refresh_every_steps": 50},
     "sampled-r50": {"tail_gradient": "sampled", "refresh_every_steps": 50},
     "expected-r100": {"tail_gradient": "expected", "refresh_every_steps": 100},
+    # Issue 54: "default" is now refresh_every_steps="auto" and exact_head="auto"; these are what came before it,
+    # the library's defaults (no refresh in one epoch, H = 2,048) and the recipes' (a refresh every 100 steps).
+    "old-default": {"refresh_every_steps": 0, "exact_head": 2048},
+    "old-recipe": {"refresh_every_steps": 100, "exact_head": 2048},
 }
 
 
@@ -193,6 +197,7 @@ def perplexity(model, blocks: torch.Tensor) -> float:
 
 def run(corpus_kind: str, v: int, steps: int, name: str, seed: int, pretrain_steps: int, log_every: int) -> dict:
     import hf_midx
+    from hf_midx.losses.exact_head import choose_exact_head
 
     if corpus_kind == "finetune":
         model = pretrained(v, seed, pretrain_steps)
@@ -205,7 +210,10 @@ def run(corpus_kind: str, v: int, steps: int, name: str, seed: int, pretrain_ste
     if CONFIGS[name] is not None:
         config = hf_midx.MidxConfig(seed=seed, **CONFIGS[name]).for_vocabulary(v)
         hf_midx.wrap(model, config, class_counts=counts)
-    probe = Probe(test_blocks, counts, (config or hf_midx.MidxConfig().for_vocabulary(v)).exact_head)
+    head = hf_midx.integration.head.find_head(model)
+    size = head.config.exact_head if head is not None else choose_exact_head(
+        counts, v, share=hf_midx.defaults.EXACT_HEAD_SHARE, most=hf_midx.defaults.EXACT_HEAD_MAX)[0]
+    probe = Probe(test_blocks, counts, size)
     seconds, history = train(model, train_blocks, steps, seed, [probe.callback], midx=config is not None,
                              log_every=log_every)
     if config is not None:
@@ -213,7 +221,9 @@ def run(corpus_kind: str, v: int, steps: int, name: str, seed: int, pretrain_ste
     keep = ("step", "loss", "probe/head_mass", "probe/unseen_mass", "probe/unseen_row_shift", "midx/ess", "midx/kl_pq",
             "midx/mass_p_over_q_gt_10", "midx/head_mass", "midx/train_loss_exact")
     curve = [{k: h[k] for k in keep if k in h} for h in history if "loss" in h]
-    return {"corpus": corpus_kind, "vocab": v, "steps": steps, "config": name, "seed": seed,
+    shares = [h["midx/refresh_share"] for h in history if "midx/refresh_share" in h]
+    return {"refreshes": sum("midx/refresh_seconds" in h for h in history), "refresh_share": shares[-1] if shares else 0.0,
+            "exact_head": size, "corpus": corpus_kind, "vocab": v, "steps": steps, "config": name, "seed": seed,
             "changes": CONFIGS[name], "perplexity": perplexity(model, test_blocks), "train_seconds": seconds,
             "seconds_per_step": seconds / steps, "curve": curve}
 

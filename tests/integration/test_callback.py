@@ -30,10 +30,14 @@ class LogRecorder(TrainerCallback):
         self.entries.append(dict(logs))
 
 
-def _plain_trainer(output_dir, max_steps=8, resume_from_checkpoint=None):
+# A fixed schedule, and "auto" pinned by its bounds to every 3 steps (whatever the timings).
+FIXED, AUTO = {"refresh_every_steps": 4}, {"refresh_min_steps": 3, "refresh_max_steps": 3}
+
+
+def _plain_trainer(output_dir, max_steps=8, resume_from_checkpoint=None, schedule=FIXED):
     torch.manual_seed(0)
     model = tiny_model("gpt2", vocab_size=VOCAB, seed=0)
-    hf_midx.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=5, refresh_every_steps=4))
+    hf_midx.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=5, **schedule))
     recorder = LogRecorder()
     args = training_args(output_dir, max_steps=max_steps, logging_steps=2, save_strategy="steps", save_steps=4)
     callbacks = [recorder, MidxCallback(resume_from_checkpoint=resume_from_checkpoint)]
@@ -46,8 +50,9 @@ def _per_step(trainer, key, after=0):
     return {e["step"]: e[key] for e in trainer.state.log_history if key in e and e["step"] > after}
 
 
-def test_plain_trainer_refreshes_logs_checkpoints_and_resumes_identically(tmp_path, caplog):
-    full, recorder = _plain_trainer(tmp_path / "full")
+@pytest.mark.parametrize(("schedule", "refreshes"), [(FIXED, {4, 8}), (AUTO, {4, 6})], ids=["fixed", "auto"])
+def test_plain_trainer_refreshes_logs_checkpoints_and_resumes_identically(tmp_path, caplog, schedule, refreshes):
+    full, recorder = _plain_trainer(tmp_path / "full", schedule=schedule)
     head = find_head(full.model)
     calls = []
     hook = full.model.register_forward_pre_hook(lambda m, a: calls.append(m.training) if m.training else None)
@@ -64,7 +69,7 @@ def test_plain_trainer_refreshes_logs_checkpoints_and_resumes_identically(tmp_pa
     # The midx/ keys join the entries that hold the Trainer's loss, in log_history and in what a
     # reporting callback placed before MidxCallback receives.
     assert kls.keys() == exact.keys() == losses.keys() == {2, 4, 6, 8}
-    assert refresh.keys() == {4, 8} and all(0 < s < 60 for s in refresh.values())
+    assert refresh.keys() == refreshes and all(0 < s < 60 for s in refresh.values())
     assert all(math.isfinite(v) for v in (*losses.values(), *kls.values(), *exact.values()))
     seen = [e for e in recorder.entries if "loss" in e]
     assert len(seen) == 4 and all("midx/kl" in e and "midx/train_loss_exact" in e for e in seen)
@@ -80,16 +85,21 @@ def test_plain_trainer_refreshes_logs_checkpoints_and_resumes_identically(tmp_pa
     assert not [n for n in names if n.endswith(".tmp")]
 
     # A checkpoint outside the resumed run's output_dir: the callback is told where it is.
-    resumed, _ = _plain_trainer(tmp_path / "resumed", resume_from_checkpoint=checkpoint)
-    with caplog.at_level("WARNING", logger="hf_midx"):
+    # (With "auto", the resumed run rebuilds after step 6, 3 steps after the saved rebuild, not 3 after resuming.
+    # The rebuild after step 3 is in the log entry of step 4; the log lines name the steps. 6 steps an epoch.)
+    resumed, _ = _plain_trainer(tmp_path / "resumed", resume_from_checkpoint=checkpoint, schedule=schedule)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="hf_midx"):
         resumed.train(resume_from_checkpoint=str(checkpoint))
+    rebuilt = [r.getMessage().split(" in ")[0] for r in caplog.records if "index rebuilt" in r.getMessage()]
+    assert rebuilt == [f"hf_midx: index rebuilt after step {s}" for s in ((6, 8) if schedule is FIXED else (6,))]
     # transformers' "missing keys ['lm_head.weight']" of a tied model gets one line of ours.
     assert [r for r in caplog.records if "tied to the input embeddings" in r.getMessage()]
     for key in ("loss", "midx/kl", "midx/train_loss_exact", "grad_norm"):
         a, b = _per_step(full, key, after=4), _per_step(resumed, key, after=4)
         assert a.keys() == b.keys() and a, key
         assert a == b, f"{key}: uninterrupted {a} != resumed {b}"
-    assert _per_step(resumed, "midx/refresh_seconds", after=4).keys() == {8}
+    assert _per_step(resumed, "midx/refresh_seconds", after=4).keys() == {s for s in refreshes if s > 4}
     worst = max(float((p - q).abs().max()) for p, q in zip(full.model.parameters(), resumed.model.parameters()))
     assert worst <= 1e-6, worst
     s_full = find_head(full.model).sampler.state_dict()
@@ -140,27 +150,24 @@ def test_one_process_on_several_gpus_is_refused(tmp_path, monkeypatch):
         callback.on_train_begin(plain.args, plain.state, plain.control, model=model)
 
 
-@pytest.mark.parametrize(
-    ("sampler", "every_steps", "epochs", "warns"),
-    [
-        ("midx-rq", 0, 1, True),  # epoch-start refreshes never fire: the initial index for the whole run
-        ("midx-rq", 2, 1, False),
-        ("midx-rq", 0, 2, False),
-        ("uniform", 0, 1, False),  # a static proposal has no index to refresh
-    ],
-)
-def test_a_run_that_would_never_refresh_the_index_warns(sampler, every_steps, epochs, warns, tmp_path, recwarn):
-    config = MidxConfig(
-        sampler=sampler, num_samples=16, codebook_size=8, kmeans_iters=2, refresh_every_steps=every_steps
-    )
+def test_a_one_epoch_run_with_the_defaults_rebuilds_the_index_and_says_why(tmp_path, recwarn, caplog):
+    """The case of the old warning (one epoch, no step refreshes: the initial index for the whole run) is gone:
+    refresh_every_steps='auto' rebuilds within [refresh_min_steps, refresh_max_steps] and logs each choice."""
+    config = MidxConfig(num_samples=16, codebook_size=8, kmeans_iters=2, refresh_min_steps=2, refresh_max_steps=3)
     model = hf_midx.wrap(tiny_model("gpt2", vocab_size=VOCAB), config)
-    args = training_args(tmp_path, max_steps=-1, num_train_epochs=epochs)
-    trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(16)), callbacks=[MidxCallback()])
-    trainer.train()
-    messages = [str(w.message) for w in recwarn if "only rebuilt at epoch starts" in str(w.message)]
-    assert len(messages) == int(warns), messages
-    if warns:
-        assert "2 steps" in messages[0] and "refresh_every_steps" in messages[0]
+    args = training_args(tmp_path, max_steps=-1, num_train_epochs=1, logging_steps=1)
+    trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(48)), callbacks=[MidxCallback()])
+    with caplog.at_level("INFO", logger="hf_midx"):
+        trainer.train()
+    assert not [w for w in recwarn if "only rebuilt at epoch starts" in str(w.message)]
+    rebuilt = _per_step(trainer, "midx/refresh_seconds")
+    intervals = _per_step(trainer, "midx/refresh_interval")
+    lines = [r.getMessage() for r in caplog.records]
+    print(f"[auto refresh] {trainer.state.global_step} steps: rebuilt after {sorted(rebuilt)}, intervals {intervals}")
+    assert sorted(rebuilt)[0] in (2, 3) and len(rebuilt) >= 2 and set(intervals.values()) <= {2.0, 3.0}
+    assert len([m for m in lines if m.startswith("hf_midx: index rebuilt")]) == len(rebuilt)
+    assert any("refresh_every_steps='auto': every" in m and "budget of 3%" in m for m in lines)
+    assert all(0 < e["midx/refresh_share"] < 1 for e in trainer.state.log_history if "midx/refresh_share" in e)
 
 
 def test_exact_loss_of_the_last_batch_matches_the_model():

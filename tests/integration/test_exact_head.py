@@ -135,3 +135,34 @@ def test_exact_head_and_mixture_add_no_host_sync(negatives):
     hf_midx.wrap(model, config, class_counts=_counts())
     extra = _count_step(model, batch) - plain
     assert not extra, dict(extra)
+
+
+def test_choose_exact_head_takes_the_fewest_classes_holding_the_share_within_its_bounds():
+    from hf_midx.losses.exact_head import choose_exact_head
+
+    counts = torch.zeros(80, dtype=torch.float64)
+    counts[[7, 3, 50, 1, 2]] = torch.tensor([50.0, 30.0, 10.0, 5.0, 5.0], dtype=torch.float64)
+    assert choose_exact_head(counts, 80, share=0.8, most=100) == (2, pytest.approx(0.8))
+    assert choose_exact_head(counts, 80, share=0.81, most=100) == (3, pytest.approx(0.9))
+    assert choose_exact_head(counts, 80, share=0.99, most=4) == (4, pytest.approx(0.95))  # the cost bound
+    assert choose_exact_head(counts[:16], 16, share=0.99, most=100)[0] == 2  # V/8
+    assert choose_exact_head(torch.zeros(80), 80, share=0.8, most=100) == (0, 0.0)
+
+
+def test_auto_exact_head_is_chosen_from_the_counts_logged_once_and_saved(tmp_path, caplog):
+    from hf_midx.defaults import EXACT_HEAD_SHARE
+    from hf_midx.integration.model_card import midx_training_facts
+
+    model, counts = tiny_model("llama"), _counts()
+    with caplog.at_level("INFO", logger="hf_midx"):
+        hf_midx.wrap(model, MidxConfig(codebook_size=8, num_samples=16), class_counts=counts)
+    head = find_head(model)
+    h = head.config.exact_head
+    held = torch.sort(counts, descending=True).values.cumsum(0) / counts.sum()
+    # The fewest classes holding the share, unless V/8 binds (VOCAB // 8 here).
+    assert h == min(int((held < EXACT_HEAD_SHARE).sum()) + 1, VOCAB // 8) and head.exact_ids.numel() == h
+    lines = [r.getMessage() for r in caplog.records if "exact_head='auto'" in r.getMessage()]
+    assert len(lines) == 1 and f"H = {h} " in lines[0], lines
+    head.config.save_pretrained(tmp_path)
+    assert MidxConfig.from_pretrained(tmp_path).exact_head == h
+    assert midx_training_facts(head.config, num_classes=VOCAB)["exact_head"] == h

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hf_midx import build_sampler, sampled_softmax_loss
 from hf_midx.losses.exact_head import exact_head_ids
