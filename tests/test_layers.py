@@ -140,7 +140,7 @@ def test_at_most_seven_floors_from_the_top():
 
 # Sizes past which a file holds more than one idea (the house's limits; see CHANGELOG): the head is a layer, the
 # callback a scheduler, MidxTrainer the callback plus exact evaluation.
-MAX_LINES = {"hf_midx.integration.head": 250, "hf_midx.integration.callback": 300}
+MAX_LINES = {"hf_midx.integration.head": 250, "hf_midx.integration.callback": 310}
 
 
 def test_each_file_holds_one_idea():
