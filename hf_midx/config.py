@@ -64,7 +64,7 @@ class MidxConfig:
             "help": "Negatives per token (M) with negatives='per-query', or the size of the shared pool (P) "
             "with negatives='shared' (one pool serves the whole batch). Must be smaller than the vocabulary. "
             f"Default: {DEFAULT_NUM_SAMPLES['per-query']} per query (trained better than 100 with the exact head "
-            "on WikiText-2 and at V = 100,000, README 'Performance', and steps faster), a pool of "
+            "on WikiText-2 and at V = 100,000, docs/performance.md, and steps faster), a pool of "
             f"{DEFAULT_NUM_SAMPLES['shared']} when shared."
         },
     )

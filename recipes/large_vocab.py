@@ -106,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         doc=__doc__,
     )
     lm_args.setup_logging(training_args)
+    lm_args.warn_single_process_launch()
     if model_args.model_name_or_path is None and model_args.config_overrides is None:
         model_args.config_overrides = SYNTHETIC_MODEL
     lm_args.check_model_arguments(model_args)

@@ -136,11 +136,11 @@ def midx_config_from(midx_args: Any, seed: int):
 MAIN_TRAINING_FLAGS = {
     "output_dir": "Where the model, tokenizer, card, checkpoints and results.json go.",
     "num_train_epochs": "Epochs to train.",
-    "max_steps": "Optimizer steps to train (overrides --num_train_epochs when > 0).",
+    "max_steps": "Optimizer steps to train; -1: train --num_train_epochs instead (other values < 1 are refused).",
     "learning_rate": "Peak learning rate of AdamW.",
     "per_device_train_batch_size": "Blocks per batch and process.",
-    "eval_strategy": "When to evaluate on the validation blocks: no, steps, epoch.",
-    "save_strategy": "When to save a checkpoint-N folder: no, steps, epoch.",
+    "eval_strategy": "When to evaluate on the validation blocks.",
+    "save_strategy": "When to save a checkpoint-N folder ('best': when --metric_for_best_model improves).",
     "logging_steps": "Log the loss (and the midx/* values) every N steps.",
     "seed": "Seed of the model's initialization, the data order and the sampler.",
     "bf16": "bfloat16 mixed precision.",
@@ -186,8 +186,8 @@ def _one_line_parser(dataclass_types, description: str = ""):
         def error(self, message):  # argparse's hook for bad command lines
             raise RecipeError(message)
 
-    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-        """Defaults in the help (as HfArgumentParser shows them), the description's example lines as written."""
+    class Formatter(argparse.RawDescriptionHelpFormatter):
+        """The description's example lines as written; the defaults are added by :func:`_state_defaults`."""
 
     # allow_abbrev=False: "--num_sample 5" is an error, not "--num_samples 5" taken silently.
     parser = OneLineParser(dataclass_types, description=description, formatter_class=Formatter, allow_abbrev=False)
@@ -226,6 +226,24 @@ def _short_help(parser, argv: Sequence[str]) -> None:
     parser.epilog = textwrap.fill(text + ", ".join(sorted(set(named))) + ".", width=78)
 
 
+#: A help text that says its default in its own words ("Default: 20 per query", "'auto' (default): ..."),
+#: or asks for it with %(default)s: argparse's "(default: None)" after it would contradict it.
+STATES_DEFAULT = re.compile(r"\bDefault\b|\(default\)|%\(default\)")
+
+
+def _state_defaults(parser) -> None:
+    """End every flag's help with ``(default: X)`` (as HfArgumentParser's formatter does), unless its text
+    already says its default (:data:`STATES_DEFAULT`): one statement per flag, from the parser's own default."""
+    import argparse
+
+    for action in parser.recipe_actions:
+        text = action.help
+        if not isinstance(text, str) or text is argparse.SUPPRESS or action.default is argparse.SUPPRESS:
+            continue
+        if action.option_strings and not STATES_DEFAULT.search(text):
+            action.help = f"{text} (default: %(default)s)"
+
+
 def parse_arguments(
     dataclass_types: Sequence[type], training_defaults: dict[str, Any], argv: Sequence[str] | None = None, doc: str = ""
 ) -> tuple:
@@ -239,15 +257,28 @@ def parse_arguments(
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _one_line_parser([*dataclass_types, TrainingArguments], description=_description(doc))
     _short_help(parser, argv)
+    _state_defaults(parser)
     parser.set_defaults(**training_defaults)
     if launched_without_gpu():
         # A torchrun / accelerate launch of several processes on a machine without a GPU: without use_cpu the
         # Trainer's PartialState finds no GPU backend, so every process trains alone (world size 1).
         parser.set_defaults(use_cpu=True)
     try:
-        return tuple(parser.parse_args_into_dataclasses(args=argv))
+        parsed = tuple(parser.parse_args_into_dataclasses(args=argv))
     except (ValueError, TypeError) as err:
         raise RecipeError(str(err)) from None
+    check_max_steps(parsed[-1])
+    return parsed
+
+
+def check_max_steps(training_args) -> None:
+    """RecipeError for ``--max_steps`` below 1 other than -1: the Trainer reads every value <= 0 as "train
+    --num_train_epochs", so ``--max_steps -5`` would silently train 3 epochs."""
+    if training_args.max_steps < 1 and training_args.max_steps != -1:
+        raise RecipeError(
+            f"--max_steps {training_args.max_steps}: give a number of steps >= 1, or -1 (the default) to train "
+            f"--num_train_epochs ({training_args.num_train_epochs:g})."
+        )
 
 
 def _description(doc: str) -> str:
@@ -263,6 +294,21 @@ def launched_without_gpu() -> bool:
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
     return world_size > 1 and "LOCAL_RANK" in os.environ and not torch.cuda.is_available()
+
+
+def warn_single_process_launch() -> None:
+    """One warning line when ``accelerate launch --num_processes N`` (N > 1) started a single process.
+
+    On a machine without GPUs accelerate starts several processes only with ``--multi_gpu``; without it, it runs
+    the script once, with its rendezvous address (MASTER_PORT) set for the processes it was asked for, but no
+    WORLD_SIZE: the one sign of the mismatch in the environment (otherwise only results.json's world_size shows it).
+    """
+    launched_by_accelerate = "ACCELERATE_DYNAMO_BACKEND" in os.environ  # set by every accelerate launch
+    if launched_by_accelerate and "MASTER_PORT" in os.environ and "WORLD_SIZE" not in os.environ:
+        logging.getLogger("recipes").warning(
+            "accelerate launch was asked for several processes but started one (on a machine without GPUs it needs "
+            "--multi_gpu: accelerate launch --multi_gpu --num_processes N ...); training in this one process."
+        )
 
 
 def recipe_training_defaults(output_dir: str) -> dict[str, Any]:

@@ -145,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         doc=__doc__,
     )
     lm_args.setup_logging(training_args)
+    lm_args.warn_single_process_launch()
     lm_args.check_model_arguments(model_args)
     lm_args.check_hub_source(data_args.tokenizer_name, "--tokenizer_name")
     if data_args.seq_len < 1:

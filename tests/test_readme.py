@@ -108,7 +108,7 @@ def test_first_command_installs_cpu_torch_before_the_package_and_the_first_run_c
 
 def test_readme_is_short_leads_with_the_decision_and_its_links_resolve():
     lines = readme().splitlines()
-    assert len(lines) <= 224, len(lines)  # 220 -> 224: issue 55's two config rows and the frozen head's line
+    assert len(lines) <= 240, len(lines)  # 220 -> 240: issue 55's config rows and frozen-head line, issue 56's traced sources, Install block and midx/* rows
     decision = next(i for i, line in enumerate(lines) if line.startswith("## When to use it"))
     assert decision < 40 and "Cut Cross-Entropy" in "\n".join(lines[decision : decision + 20])
     assert not re.search(r"\b(sessions?|rounds?)\b", readme()), "process words belong to no user's README"
@@ -294,3 +294,66 @@ def test_config_table_matches_midx_config_and_the_recipe():
         expected = wikitext2.MIDX_DEFAULTS.get(name, getattr(defaults, name))
         if name != "seed":  # the recipes take the MIDX seed from --seed
             assert recipe.strip("`") == str(expected), name
+
+
+# ---------------------------------------------------------------------- the claims and their files
+#: A number as a claim writes it (1,429, 201.7, 15-31x, -1.6%), not inside a name (H200, sm_80, gpt2).
+NUMBER = re.compile(r"(?<![\w.])(\d+(?:,\d{3})*(?:\.\d+)?)(?=x?(?!\w))")
+LINK = re.compile(r"\[([^\]]*)\]\(([^)]+)\)")
+
+
+def claims() -> list[str]:
+    """The bullets of "When to use it": the README's results, each one line."""
+    section = readme().split("## When to use it", 1)[1].split("\n## ", 1)[0]
+    return [" ".join(b.split()) for b in re.split(r"\n(?=- )", section.split("\n\n", 1)[1].split("\n\n")[0])]
+
+
+def numbers(text: str) -> list[str]:
+    return NUMBER.findall(text)
+
+
+def written_as(claim: str, value: str, candidates: list[str]) -> bool:
+    """``value`` as the claim writes it is one of ``candidates`` rounded to as many decimals."""
+    decimals = len(value.partition(".")[2])
+    target = float(value.replace(",", ""))
+    return any(abs(float(c.replace(",", "")) - target) <= 0.5 * 10**-decimals + 1e-9 for c in candidates)
+
+
+def test_every_number_of_the_results_is_in_the_files_its_claim_links():
+    """Each claim links the committed files it comes from (results under recipes/benchmarks/results/, or docs/); every
+    number in it (outside its links and a `commit abc1234` label) is one of those files' numbers, to the claim's
+    rounding. A figure of an older default stays only with its commit named and its file linked."""
+    checked = 0
+    for claim in claims():
+        sources = [REPO / target.split("#")[0] for _, target in LINK.findall(claim) if not target.startswith("http")]
+        sources += [path.with_suffix(".json") for path in sources if path.with_suffix(".json").exists()]
+        text = re.sub(r"\bcommits? [0-9a-f]{7,40}\b", "", LINK.sub(lambda m: m.group(1), claim))
+        found = numbers(text)
+        if not found:
+            continue
+        assert sources, f"a claim with figures links no results file: {claim}"
+        for path in sources:
+            assert path.is_file() and (path.is_relative_to(REPO / "recipes/benchmarks/results") or
+                                       path.is_relative_to(REPO / "docs")), f"{path} is no committed results file"  # fmt: skip
+        pool = [n for path in sources for n in re.findall(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?", path.read_text())]
+        pool = [n.lstrip("-") for n in pool if not re.search(r"[eE]", n)] + [
+            repr(abs(float(n))) for n in pool if re.search(r"[eE]", n)]  # fmt: skip
+        for value in found:
+            assert written_as(claim, value, pool), f"{value} in the README is in none of {[str(p) for p in sources]}"
+            checked += 1
+    assert checked >= 20
+    assert not re.search(r"\d+x (CCE|Liger)'s", readme()), "say a speed-up as 'Nx faster than', not 'Nx CCE's time'"
+
+
+def test_every_midx_key_the_callback_logs_is_explained():
+    """The keys MidxCallback adds to a log entry: the proposal diagnostics (kl_qp logged as midx/kl) and the ones
+    it names itself; each has a row in "What the numbers mean"."""
+    from hf_midx.integration import callback
+    from hf_midx.integration.diagnostics import DIAGNOSTIC_KEYS
+
+    logged = {"midx/kl" if k == "kl_qp" else f"midx/{k}" for k in DIAGNOSTIC_KEYS}
+    logged |= set(re.findall(r'"(midx/\w+)"', Path(callback.__file__).read_text(encoding="utf-8")))
+    table = readme().split("### What the numbers mean", 1)[1].split("\n### ", 1)[0]
+    explained = set(re.findall(r"`(midx/\w+)`", table))
+    assert {"midx/train_loss_exact", "midx/refresh_seconds", "midx/codebook_loss", "midx/ess_sampled"} <= logged
+    assert logged <= explained, f"logged but not explained in the README: {sorted(logged - explained)}"

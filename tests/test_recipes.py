@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -1062,3 +1063,108 @@ def test_recipe_runs_read_large_vocab_runs(tmp_path, monkeypatch):
     (other / "results.json").write_text(json.dumps(results))
     with pytest.raises(SystemExit, match="different chains"):
         recipe_runs.main(["heldout", str(tmp_path / "midx-rq_s3"), str(other), "--out", str(tmp_path / "report")])
+
+
+def help_entries(text: str) -> dict[str, str]:
+    """``--flag`` -> its help text, one line, from argparse's ``--help`` output."""
+    entries, flag = {}, None
+    for line in text.splitlines():
+        match = re.match(r"  (--\w+)", line)
+        if match:
+            flag = match.group(1)
+            entries[flag] = line.split("  ", 2)[-1] if "  " in line.strip() else ""
+        elif flag and line.startswith("    "):
+            entries[flag] += " " + line.strip()
+        else:
+            flag = None
+    return {flag: " ".join(help.split()) for flag, help in entries.items()}
+
+
+#: A default said in a help text's own words: "Default: 20 per query", "'auto' (default): ...".
+STATED = re.compile(r"Default: ([\w.'-]+)|([\w.'-]+) \(default\)")
+LITERAL = re.compile(r"'[^']*'|-?\d[\d.]*|None|True|False")
+
+
+@pytest.mark.parametrize("script", ["wikitext2", "large_vocab"])
+def test_every_default_a_help_text_states_is_the_parsed_one(script, capsys, monkeypatch):
+    """--help says each flag's default once (its text, or argparse's "(default: X)"), and giving every stated
+    default on the command line parses to what no flag parses to: the same arguments, the same MidxConfig (a
+    default of None stated in words is the value MidxConfig resolves it to: num_samples)."""
+    import importlib
+
+    from recipes import lm_args
+
+    recipe = importlib.import_module(f"recipes.{script}")
+    with pytest.raises(SystemExit) as stop:
+        recipe.main(["--help"])
+    assert stop.value.code == 0
+    entries = help_entries(capsys.readouterr().out)
+    parses = []
+    real_parse = lm_args.parse_arguments
+
+    def keep(*args, **kwargs):
+        parses.append(real_parse(*args, **kwargs))
+        raise SystemExit(0)  # parsed: stop before any data is read
+
+    monkeypatch.setattr(lm_args, "parse_arguments", keep)
+    with pytest.raises(SystemExit):
+        recipe.main([])
+    default = {f.name: getattr(args, f.name) for args in parses[0] for f in dataclasses.fields(args)}
+    argv = []
+    for flag, text in entries.items():
+        if flag[2:] not in default or flag.startswith("--no_"):
+            continue
+        appended = re.findall(r"\(default: ([^()]*)\)$", text)
+        stated = [a or b for a, b in STATED.findall(text)]
+        assert len(appended) + len(stated) <= 1, f"{flag} states its default twice: {text}"
+        for value in appended + [s for s in stated if LITERAL.fullmatch(s)]:
+            value = value.strip("'")
+            if value == "None":
+                assert default[flag[2:]] is None, f"{flag}: the help says None, the recipe parses {default[flag[2:]]!r}"
+            else:
+                argv += [flag, value]
+        for path in re.findall(r"\b(?:docs|recipes)/[\w./-]+\w", text):  # no pointer to a missing file
+            assert (REPO / path).exists(), f"{flag} points to a missing {path}"
+        assert not re.search(r"README '", text), f"{flag} points to a README section by name: {text}"
+    assert len(argv) >= 2 * 25 and "--num_samples" in argv
+    with pytest.raises(SystemExit):
+        recipe.main(argv)
+    stated = {f.name: getattr(args, f.name) for args in parses[1] for f in dataclasses.fields(args)}
+    config = {i: lm_args.midx_config_from(next(a for a in parses[i] if type(a).__name__ == "MidxArguments"), 0)
+              for i in (0, 1)}  # fmt: skip
+    assert config[0] == config[1]
+    midx_fields = set(vars(config[0]))
+    for name, value in default.items():
+        if name not in midx_fields:
+            assert stated[name] == value, f"--{name}: the stated default parses to {stated[name]!r}, not {value!r}"
+
+
+def test_a_negative_max_steps_other_than_minus_one_is_refused_with_the_fix(capsys):
+    """The Trainer reads any max_steps <= 0 as "train the epochs": -5 would train 3 epochs without a word."""
+    from recipes import lm_recipe, wikitext2
+
+    for value in ("-5", "0"):
+        with pytest.raises(SystemExit) as stop:
+            lm_recipe.run(wikitext2.main, ["--output_dir", "unused", "--max_steps", value])
+        assert stop.value.code == 2
+        assert f"--max_steps {value}: give a number of steps >= 1, or -1" in capsys.readouterr().err
+    assert not (REPO / "unused").exists()
+
+
+def test_accelerate_launch_with_one_process_of_several_says_so(monkeypatch, caplog):
+    """accelerate launch --num_processes 2 without --multi_gpu on a CPU machine runs the script once, with the
+    rendezvous port set and no WORLD_SIZE: one warning line naming --multi_gpu. A real multi-process launch
+    (WORLD_SIZE set) and a plain python run say nothing."""
+    from recipes import lm_args
+
+    for name in ("ACCELERATE_DYNAMO_BACKEND", "MASTER_PORT", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    lm_args.warn_single_process_launch()
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with caplog.at_level("WARNING", logger="recipes"):
+        lm_args.warn_single_process_launch()
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        lm_args.warn_single_process_launch()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "--multi_gpu" in lines[0] and "\n" not in lines[0]

@@ -7,6 +7,8 @@ measured cost by default, a fixed one, or never; each rebuild logged with its re
 rebuilt on rank 0, broadcast); trains learned codebooks every step (:mod:`hf_midx.integration.learned_codebooks`); adds to
 each log entry with ``loss`` the proposal diagnostics (``midx/kl``...) and ``midx/train_loss_exact``, the exact
 loss of the last micro-batch (the Trainer's ``loss`` is the *sampled* objective), averaged over processes;
+adds ``eval_perplexity`` to evaluation metrics and leaves TRL's NaN ``entropy`` / ``mean_token_accuracy`` out of
+training logs (:mod:`hf_midx.integration.log_entries`);
 writes the sampler state into every checkpoint and restores it on resume (:mod:`hf_midx.integration.checkpoint`), so a
 resumed run repeats an uninterrupted one bit for bit; stops on NaN/Inf with :class:`MidxNonFiniteError`,
 naming the step and the tensor (:mod:`hf_midx.integration.nonfinite`). With :meth:`install`, ``trainer.save_model`` also
@@ -34,6 +36,7 @@ from .distributed import (broadcast_sampler, full_head_weight, local_device, mea
                           refuse_data_parallel, sampler_device)  # fmt: skip
 from .head import MidxLMHead, find_head
 from .learned_codebooks import CodebookTraining
+from .log_entries import FullSoftmaxMetrics, add_perplexity
 from .model_card import write_model_card
 from .nonfinite import ADVICE, MidxNonFiniteError, NonFiniteCheck
 from .refresh_schedule import RefreshSchedule
@@ -88,6 +91,7 @@ class MidxCallback(TrainerCallback):
         self._pending: dict[str, torch.Tensor | float] = {}
         self._nonfinite = NonFiniteCheck()
         self._saved_folder: str | None = None
+        self._full_softmax = FullSoftmaxMetrics()
 
     @classmethod
     def install(cls, trainer, *, resume_from_checkpoint: str | os.PathLike | None = None) -> "MidxCallback":
@@ -208,15 +212,20 @@ class MidxCallback(TrainerCallback):
             self._measure()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not self._pending or logs is None or not ("loss" in logs or "train_runtime" in logs):
+        if logs is None:
             return
-        values = {k: float(v) for k, v in self._pending.items()}
-        self._pending = {}
-        logs.update(values)
         # The Trainer appended a copy of this entry to log_history before calling the callbacks.
-        entry = state.log_history[-1] if state.log_history else None
-        if entry is not None and entry.get("step") == state.global_step and entry.get("loss") == logs.get("loss"):
-            entry.update(values)
+        entry = state.log_history[-1] if state.log_history else {}
+        if entry.get("step") != state.global_step or any(entry.get(k) is not v for k, v in logs.items()):
+            entry = {}
+        values = add_perplexity(logs)
+        for key in self._full_softmax.drop(logs):
+            entry.pop(key, None)
+        if self._pending and ("loss" in logs or "train_runtime" in logs):
+            values.update({k: float(v) for k, v in self._pending.items()})
+            self._pending = {}
+        logs.update(values)
+        entry.update(values)
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")

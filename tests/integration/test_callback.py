@@ -391,3 +391,25 @@ def test_every_sampler_state_tells_its_device_and_reloads_with_a_new_seed(name):
     after = sampler.state_dict()
     assert all(torch.equal(tables[k], after[k]) for k in tables)
     assert torch.equal(after[GENERATOR_KEY], hf_midx.CounterRNG(123).get_state())
+
+
+def test_any_trainer_with_the_callback_reports_the_exact_eval_perplexity(tmp_path):
+    """A plain Trainer has no eval_perplexity of its own; the installed callback adds exp(eval_loss) to the metrics
+    evaluate() returns, to log_history and to what the reporting integrations see."""
+    model = hf_midx.wrap(tiny_model("gpt2", vocab_size=VOCAB), num_samples=32, codebook_size=8, kmeans_iters=2)
+    recorder = LogRecorder()
+    args = training_args(tmp_path, max_steps=2, per_device_eval_batch_size=8)
+    rows = markov_rows(24)
+    trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(rows[:16]),
+                      eval_dataset=RowsDataset(rows[16:]), callbacks=[recorder])  # fmt: skip
+    MidxCallback.install(trainer)
+    trainer.train()
+    metrics = trainer.evaluate()
+    model.eval()
+    with torch.no_grad():  # the full softmax's loss over the same 8 rows, one batch
+        exact = model(input_ids=rows[16:], labels=rows[16:]).loss.item()
+    assert math.isclose(metrics["eval_perplexity"], math.exp(exact), rel_tol=1e-4)
+    assert math.isclose(metrics["eval_perplexity"], math.exp(metrics["eval_loss"]), rel_tol=1e-9)
+    assert trainer.state.log_history[-1]["eval_perplexity"] == metrics["eval_perplexity"]
+    assert recorder.entries[-1]["eval_perplexity"] == metrics["eval_perplexity"]
+    assert not any("train_perplexity" in e for e in trainer.state.log_history)  # the sampled estimate: not exp'd
