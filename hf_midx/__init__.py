@@ -22,6 +22,11 @@ theirs), is the one package that imports transformers; the callback and trainer 
 
 import importlib as _importlib
 
+from .version import check_versions as _check_versions
+
+# Below a declared lower bound: one ImportError naming both versions, not an AttributeError from deep inside.
+_check_versions()
+
 from .indexing.codebooks import LearnableCodebooks
 from .data import token_counts
 from .integration.diagnostics import kl_to_softmax, proposal_diagnostics

@@ -30,6 +30,10 @@ FULL = "full"
 RESULTS_NAME = "results.json"
 
 
+#: The oldest transformers the recipes run on (the library's own bound is lower: hf_midx.version.MINIMUM_VERSIONS).
+RECIPES_TRANSFORMERS = "5.0"
+
+
 class RecipeError(Exception):
     """A problem with the user's input; reported as one line on stderr (no traceback), exit status 2."""
 
@@ -252,8 +256,18 @@ def parse_arguments(
     ``training_defaults`` replace TrainingArguments defaults (they show in ``--help``); anything given
     on the command line wins. Raises RecipeError for unknown flags and invalid values.
     """
+    import transformers
+    from packaging.version import Version
     from transformers import TrainingArguments
 
+    from hf_midx.version import MINIMUM_VERSIONS
+
+    if Version(transformers.__version__) < Version(RECIPES_TRANSFORMERS):
+        # 4.x's TrainingArguments has its own --overwrite_output_dir (the recipes' OutputArguments flag collides).
+        raise RecipeError(
+            f"the recipes need transformers >= {RECIPES_TRANSFORMERS} (installed: {transformers.__version__}; the "
+            f"library itself runs on {MINIMUM_VERSIONS['transformers']} and later): pip install -U 'transformers>={RECIPES_TRANSFORMERS}'"
+        )
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _one_line_parser([*dataclass_types, TrainingArguments], description=_description(doc))
     _short_help(parser, argv)

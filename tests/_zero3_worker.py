@@ -62,6 +62,9 @@ def zero(stage: int = 3) -> dict:
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
         "gradient_clipping": "auto",
+        # DeepSpeed 0.19.0 enables bf16 on the CPU accelerator by default, which transformers 4.57 refuses
+        # against bf16=False: "auto" takes the TrainingArguments' setting.
+        "bf16": {"enabled": "auto"},
     }
 
 

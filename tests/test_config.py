@@ -87,7 +87,7 @@ def test_the_wrapped_models_sampler_is_build_samplers():
     excluded): the same K, mixture and last stage, the same draws; its loss uses the config's estimator."""
     import hf_midx
     from hf_midx.integration.head import find_head
-    from tests._models import VOCAB, tiny_model
+    from _models import VOCAB, tiny_model  # not tests._models: another distribution may install a tests package
 
     counts = torch.arange(VOCAB) % 13 + 1
     head, config = find_head(hf_midx.wrap(tiny_model("gpt2"), class_counts=counts)), MidxConfig()

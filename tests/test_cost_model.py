@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from recipes.benchmarks import cost_model
 from recipes.benchmarks.profile_head import FREE_OPS
-from _env import REPO, offline_env
+from _env import REPO, offline_env, skip_without_interpreter
 
 pytest.importorskip("triton")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -48,6 +48,7 @@ class _Count(TorchDispatchMode):
 @pytest.mark.skipif(INTERPRETED, reason="the parent of test_the_launch_list_is_the_real_steps_trace")
 def test_interpreted_real_step():
     """The next test, in a child process whose Triton interprets (Triton reads TRITON_INTERPRET at import)."""
+    skip_without_interpreter()
     child = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_the_launch_list_is_the_real_steps_trace"],
         cwd=REPO, env=offline_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from .._checks import check_ids, check_matrix
 from .._ops import soft_cap

@@ -370,7 +370,12 @@ def test_push_to_hub_uploads_model_and_card(tmp_path, monkeypatch):
             calls["card"] = open(os.path.join(folder, "README.md"), encoding="utf-8").read()
             return "commit-info"
 
-    monkeypatch.setattr(hf_trainer, "hf_api", lambda: FakeApi())
+    if hasattr(hf_trainer, "hf_api"):  # transformers >= 5: one HfApi
+        monkeypatch.setattr(hf_trainer, "hf_api", lambda: FakeApi())
+    else:  # 4.57: huggingface_hub's functions, imported by name
+        fake = FakeApi()
+        monkeypatch.setattr(hf_trainer, "create_repo", lambda repo_id, **kwargs: fake.create_repo(repo_id, **kwargs))
+        monkeypatch.setattr(hf_trainer, "upload_folder", fake.upload_folder)
     train, evals = RowsDataset(markov_rows(64)), RowsDataset(eval_rows(32))
     args = training_args(tmp_path / "midx-gpt2", max_steps=6)
     model = wrapped_model(refresh_every_steps=3)

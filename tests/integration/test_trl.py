@@ -6,10 +6,12 @@ Offline: a word-level tokenizer built with ``tokenizers``, a pre-tokenized datas
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
 import torch
+from packaging.version import Version
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -24,6 +26,8 @@ from hf_midx import MidxCallback, MidxConfig  # noqa: E402
 from hf_midx.integration.head import find_head  # noqa: E402
 from hf_midx.integration.wrap import MidxFusedOutput  # noqa: E402
 from test_trainer import SEQ, VOCAB, markov_rows  # noqa: E402
+
+TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _tokenizer() -> PreTrainedTokenizerFast:
@@ -139,6 +143,8 @@ def test_fused_output_is_the_sampled_loss_in_training_and_exact_in_eval():
     assert float(out_shifted.loss) == pytest.approx(float(plain), rel=1e-6)
 
     # Evaluation: TRL's own exact log-probabilities, the same as for the unwrapped model.
+    if Version(trl.__version__) < Version("1.16") and ids.device.type == "cpu" and TRITON:
+        pytest.skip("TRL < 1.16's chunked log-prob kernel launches Triton on CPU tensors (TRL's fused eval, not ours)")
     model.eval()
     reference.eval()
     with torch.no_grad():

@@ -29,7 +29,7 @@ from hf_midx.losses.kernels import FusedCandidateLoss, candidate_loss, candidate
 from hf_midx.losses.kernels.candidate import Blocks
 from hf_midx.rng import CounterRNG
 
-from _env import REPO, offline_env
+from _env import REPO, offline_env, skip_without_interpreter
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not triton_available(), reason="the fused kernels need Triton (Linux x86_64 wheels)")
@@ -41,6 +41,7 @@ compiled = pytest.mark.skipif(INTERPRETED, reason="runs in the parent process, w
 
 def run_interpreted(test_file: str) -> None:
     """Run a test file in a child process whose Triton interprets (see the module docstring); fail with its output."""
+    skip_without_interpreter()
     child = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
         cwd=REPO, env=offline_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600,
