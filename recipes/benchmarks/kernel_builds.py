@@ -148,6 +148,7 @@ def default_launches(shape: str, cc: int) -> list[Launch]:
     """The launches of one default training step's candidate loss (forward and backward) at ``shape``, bfloat16,
     with the exact head, M and the codebooks of ``MidxConfig()`` and the tail gradient it takes there."""
     from hf_midx import MidxConfig
+    from hf_midx.defaults import EXACT_HEAD_MAX
     from hf_midx.losses.kernels import FusedCandidateLoss
     from hf_midx.losses.kernels.candidate import Blocks
     from hf_midx.losses.loss import drops_accidental_hits
@@ -156,7 +157,9 @@ def default_launches(shape: str, cc: int) -> list[Launch]:
 
     num_classes, dim, softcap = SHAPES[shape]
     cfg = MidxConfig().for_vocabulary(num_classes)
-    t, m, h, b = CAPTURE_TOKENS, cfg.num_samples, cfg.exact_head, cfg.codebook_size**2
+    # exact_head="auto" picks H from the counts, at most min(EXACT_HEAD_MAX, V / 8): the bound, as on a Zipf corpus.
+    h = cfg.exact_head if isinstance(cfg.exact_head, int) else min(EXACT_HEAD_MAX, num_classes // 8)
+    t, m, b = CAPTURE_TOKENS, cfg.num_samples, cfg.codebook_size**2
     g = torch.Generator().manual_seed(0)
     weight = torch.empty(num_classes, dim, dtype=torch.bfloat16, requires_grad=True)  # never written
     hidden = torch.randn(t, dim, generator=g).to(torch.bfloat16).requires_grad_()
