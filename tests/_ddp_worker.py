@@ -4,8 +4,10 @@ Usage: python -m torch.distributed.run --standalone --nproc_per_node 2 tests/_dd
 
 Each rank builds a tiny GPT-2 from a *different* seed (DDP then syncs the weights, and MidxTrainer must
 sync the samplers built from the different initial weights), trains 6 steps with learned codebooks and
-a refresh every 2 steps, and after every refresh compares its sampler tensors and learned codebooks
-with the other rank's, bit for bit. At the end it checks that the ranks draw different negatives and
+the default refresh schedule, ``refresh_every_steps="auto"``, whose cost measurement is made to differ
+between the ranks (rank 0's timing gives an interval of 1 step, rank 1's of 2: :data:`LOCAL_INTERVAL`), so
+both must rebuild at steps 2, 4 and 6, the maximum; after every refresh it compares its sampler tensors and
+learned codebooks with the other rank's, bit for bit. At the end it checks that the ranks draw different negatives and
 writes OUT_DIR/rank<r>.json; rank 0 also writes OUT_DIR/result.json. Exits non-zero on any failure.
 """
 
@@ -26,10 +28,26 @@ from recipes.lm_recipe import end_process_group  # noqa: E402
 from _models import markov_batches, tiny_model  # noqa: E402
 import hf_midx  # noqa: E402
 from hf_midx import MidxConfig  # noqa: E402
+from hf_midx.integration import refresh_schedule  # noqa: E402
 from hf_midx.integration.head import find_head  # noqa: E402
 from hf_midx import MidxTrainer  # noqa: E402
 
 VOCAB, SEQ = 256, 16
+#: The interval each rank's own measurement of a rebuild and a step gives ("auto" takes the maximum).
+LOCAL_INTERVAL = {0: 1, 1: 2}
+
+
+def measure_differently(rank: int) -> list[int]:
+    """Makes this rank's cost-based choice :data:`LOCAL_INTERVAL`'s, whatever its clock says (wall-clock times
+    of tiny steps are noise); returns the list of the choices made, filled as training runs."""
+    chosen = []
+
+    def local_interval(rebuild_seconds, step_seconds, budget, low, high):
+        chosen.append(LOCAL_INTERVAL[rank])
+        return LOCAL_INTERVAL[rank]
+
+    refresh_schedule.cost_interval = local_interval
+    return chosen
 
 
 class Rows(torch.utils.data.Dataset):
@@ -113,9 +131,11 @@ def main(out_dir: str) -> None:
         codebook_size=8,
         kmeans_iters=5,
         codebooks="learned",
-        refresh_every_steps=2,
+        refresh_every_steps="auto",
+        refresh_min_steps=1,
         codebook_learning_rate=0.01,
     )
+    local_choices = measure_differently(rank)
     hf_midx.wrap(model, config)
     built_equal = gathered_equal(find_head(model).sampler.index.codes)
 
@@ -146,6 +166,8 @@ def main(out_dir: str) -> None:
         "negatives_equal": negatives_equal,
         "generators_equal": generators_equal,
         "refreshes": len([e for e in trainer.state.log_history if "midx/refresh_seconds" in e]),
+        "local_intervals": local_choices,
+        "logged_intervals": [e["midx/refresh_interval"] for e in trainer.state.log_history if "midx/refresh_interval" in e],
         "checkpoint_files": sorted(os.listdir(checkpoint)) if os.path.isdir(checkpoint) else [],
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -31,7 +31,7 @@ from _env import offline_env
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 
-TEST_COMMAND = 'pip install -e ".[dev]" && python -m pytest -q tests'
+TEST_COMMAND = 'pip install -e ".[dev]" && python -m pytest -q -n auto --dist worksteal tests'
 # PyTorch's CPU index as an extra index with a pinned release: its `+cpu` build outranks PyPI's (CUDA) one
 # of the same version, and where only PyPI (or a mirror) is reachable pip still finds the release there.
 # An unpinned `torch` would take the newest release of any index, a CUDA build where PyPI offers one.

@@ -2,7 +2,8 @@
 
 The worker checks, after every refresh, that both ranks hold bit-identical sampler tensors (codebooks,
 codes, bucket tables) and learned codebooks although their samplers were built from different initial
-weights, and that the ranks draw different negatives. ``accelerate launch --cpu --num_processes 2``
+weights, that under the default ``refresh_every_steps="auto"`` they rebuild at the same steps although their
+own measurements choose different intervals, and that the ranks draw different negatives. ``accelerate launch --cpu --num_processes 2``
 would start a single process, so torchrun is used, and each worker refuses to run with world size 1.
 """
 
@@ -47,7 +48,12 @@ def test_two_processes_share_the_index_and_draw_their_own_negatives(tmp_path):
     assert all(result["final_state_equal"].values()) and result["model_weights_equal"]
     assert not result["negatives_equal"] and not result["generators_equal"]
     assert result["refreshes"] == 3
+    # "auto": rank 0 measured an interval of 1, rank 1 of 2 (at the first choice and after each rebuild); both
+    # rebuilt every 2 steps (the checks above) and logged that interval once.
+    assert ranks[0]["local_intervals"] == [1] * 4 and ranks[1]["local_intervals"] == [2] * 4
+    assert ranks[0]["logged_intervals"] == ranks[1]["logged_intervals"] == [2.0]
     files = set(result["checkpoint_files"])
     assert {"midx_state.safetensors", "midx_rng_state_0.safetensors", "midx_rng_state_1.safetensors"} <= files
     steps = [c["step"] for c in checks]
-    print(f"[ddp] world_size=2 gloo; identical after the refreshes at steps {steps}; negatives differ")
+    print(f"[ddp] world_size=2 gloo; 'auto' refreshes at steps {steps} on both ranks (local choices 1 and 2); "
+          "identical after them; negatives differ")
