@@ -10,7 +10,11 @@ kept within [``refresh_min_steps``, ``refresh_max_steps``]. The rebuild's second
 (the one at wrap, then each refresh's, gathered and broadcast included); a step's are the wall-clock
 seconds between optimizer steps since the last choice, rebuilds left out. N is chosen first after
 ``min(10, refresh_min_steps)`` steps and again after every rebuild, and it is the maximum over the
-processes (each times its own steps), so every rank rebuilds at the same steps.
+processes (each times its own steps), so every rank rebuilds at the same steps. A re-chosen N replaces
+the current one only when it is more than :data:`RECHOOSE_FACTOR` times larger or smaller: on a shared
+machine a rebuild's and a step's seconds jitter by tens of percent (a V = 100,000 run's interval went
+50 -> 64 -> 50 while tests shared its core), and a schedule that followed them would make the same seeded run
+rebuild at other steps; the share of time stays within the budget times that factor (4.5% at 3%).
 
 Why a fixed interval and not a rebuild "when the index has gone stale" (the proposal's ESS against its
 value after the last build): the budget already bounds the interval from below, so a staleness test could
@@ -30,6 +34,9 @@ from collections.abc import Callable
 import torch
 
 from .distributed import max_over_ranks
+
+#: How far (a ratio) a re-chosen interval must move from the current one to replace it (see the module docstring).
+RECHOOSE_FACTOR = 1.5
 
 #: Steps timed before the first choice (fewer when ``refresh_min_steps`` is smaller); step 1 is left out
 #: where there are more (it holds the warm-up: allocations, compilation).
@@ -135,13 +142,17 @@ class RefreshSchedule:
         step_seconds = max(now - start_time - spent, 0.0) / steps
         rebuild = self.rebuild_seconds if self.rebuild_seconds is not None else 0.0
         local = cost_interval(rebuild, step_seconds, self.budget, self.low, self.high)
-        # Each rank timed its own steps: the maximum, so that every rank rebuilds at the same steps.
-        self.interval = int(max_over_ranks(torch.tensor([local], dtype=torch.long, device=self._device)).item())
+        # Each rank timed its own steps: the maximum, so that every rank rebuilds at the same steps (and takes
+        # the same decision below).
+        chosen = int(max_over_ranks(torch.tensor([local], dtype=torch.long, device=self._device)).item())
         self._timer = (step, now)
+        if not first and self.interval and self.interval / RECHOOSE_FACTOR <= chosen <= self.interval * RECHOOSE_FACTOR:
+            return None  # within the measurements' jitter: the rebuild steps stay as they were
+        self.interval = chosen
         bound = {self.low: " (the floor, refresh_min_steps)", self.high: " (the ceiling, refresh_max_steps)"}
         return (f"refresh_every_steps='auto': every {self.interval} steps{bound.get(self.interval, '')}, from a "
                 f"rebuild of {rebuild:.3g} s and a step of {step_seconds:.3g} s at a budget of {self.budget:.0%} "
                 f"of training time (chosen after step {step})")
 
 
-__all__ = ["PROBE_STEPS", "RefreshSchedule", "cost_interval"]
+__all__ = ["PROBE_STEPS", "RECHOOSE_FACTOR", "RefreshSchedule", "cost_interval"]

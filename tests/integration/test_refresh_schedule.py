@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_midx import MidxConfig
-from hf_midx.integration.refresh_schedule import PROBE_STEPS, RefreshSchedule, cost_interval
+from hf_midx.integration.refresh_schedule import PROBE_STEPS, RECHOOSE_FACTOR, RefreshSchedule, cost_interval
 
 
 class Clock:
@@ -52,6 +52,22 @@ def test_auto_chooses_after_the_probe_steps_and_keeps_the_share_at_the_budget():
     # Rebuilds that turn dearer lengthen the interval (re-chosen after each rebuild).
     _run(schedule, clock, 3000, step_seconds=0.125, rebuild_seconds=3.0, start=2000)
     assert schedule.interval == cost_interval(3.0, 0.125, 0.03, 50, 1000)
+
+
+def test_auto_keeps_its_interval_through_the_jitter_of_a_shared_machine():
+    clock = Clock()
+    schedule = RefreshSchedule(MidxConfig(), clock=clock)
+    schedule.start(0, rebuild_seconds=1.0, device=torch.device("cpu"))
+    first = _run(schedule, clock, 1000, step_seconds=0.125, rebuild_seconds=1.0)
+    n = cost_interval(1.0, 0.125, 0.03, 50, 1000)  # 259
+    # Rebuilds 1.3x dearer (the cost's interval 337, within the factor): the rebuilds stay on the same steps.
+    assert cost_interval(1.3, 0.125, 0.03, 50, 1000) < n * RECHOOSE_FACTOR
+    later = _run(schedule, clock, 3000, step_seconds=0.125, rebuild_seconds=1.3, start=1000)
+    assert schedule.interval == n and first + later == list(range(n, 3001, n))
+    # Steps 2x faster (the cost's interval 518, beyond it): re-chosen at the next rebuild.
+    _run(schedule, clock, 4000, step_seconds=0.0625, rebuild_seconds=1.0, start=3000)
+    assert schedule.interval == cost_interval(1.0, 0.0625, 0.03, 50, 1000) == 518
+    assert schedule.share() <= 0.03 * RECHOOSE_FACTOR
 
 
 def test_auto_leaves_the_first_step_out_of_the_timing():
