@@ -87,11 +87,18 @@ class CounterRNG:
         self._state[1:].add_(n)
         return words
 
-    def rand(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Uniform numbers in [0, 1) of ``shape``: 24 random bits for float32 (two per 64-bit word), 53 for float64."""
+    def rand(self, *shape: int, dtype: torch.dtype = torch.float32, fused: bool = False) -> torch.Tensor:
+        """Uniform numbers in [0, 1) of ``shape``: 24 random bits for float32 (two per 64-bit word), 53 for float64.
+
+        ``fused``: the same numbers from one Triton launch (:func:`hf_midx.losses.kernels.counter_rand`) instead of
+        a dozen elementwise ops (a CUDA generator, or any under ``TRITON_INTERPRET=1``)."""
         n = 1
         for s in shape:
             n *= int(s)
+        if fused:
+            from .losses.kernels.counter import counter_rand  # noqa: PLC0415 (lazily: Triton)
+
+            return counter_rand(self._state, n, dtype).view(*shape)
         if dtype == torch.float64:
             u = _shr(self._words(n), 11).double() * (1.0 / (1 << 53))
         else:

@@ -3,7 +3,7 @@
 Each launch of the default path at the four LLM shapes and V = 2^20 (captured from the launch code) is built by
 Triton's compiler and its bundled ptxas for sm_80, 86, 89, 90, 100 and 120 (no GPU needed); a build error, a
 spill, more than 255 registers or shared memory over the target's limit fails the target's case; a target the
-installed toolchain cannot build for is skipped with the reason. The distinct builds (5 a target: they do not
+installed toolchain cannot build for is skipped with the reason. The distinct builds (7 a target: they do not
 depend on the shape) are made once for all cases, in one process a CPU; Triton's on-disk cache keeps them.
 """
 
@@ -33,7 +33,9 @@ def test_default_kernels_build_without_spills(builds, cc):
         pytest.skip(f"sm_{cc}: {entry['skipped']}")
     bad = {f"{b['kernel']} ({b['config']})": b["problems"] for b in entry["builds"] if b["problems"]}
     assert not bad, bad
-    for kernel in ("candidate_forward_kernel", "candidate_grad_hidden_kernel", "candidate_grad_weight_kernel"):
+    kernels = ("candidate_forward_kernel", "candidate_grad_hidden_kernel", "candidate_grad_weight_kernel",
+               "counter_rand_kernel", "midx_draw_kernel")
+    for kernel in kernels:
         built = {shape for b in entry["builds"] if b["kernel"] == kernel for shape in b["shapes"]}
         assert built == set(kernel_builds.SHAPES), (kernel, built)
 
@@ -41,7 +43,7 @@ def test_default_kernels_build_without_spills(builds, cc):
 def test_launches_are_captured_alike_for_every_target():
     """run() captures each shape once: the launches do not depend on the target the driver reports."""
     keys = [[launch.key() for launch in kernel_builds.default_launches("qwen2.5-0.5b", cc)] for cc in (80, 120)]
-    assert keys[0] == keys[1] and len(keys[0]) == 3
+    assert keys[0] == keys[1] and len(keys[0]) == 5  # the loss's three kernels and the draw's two
 
 
 def test_occupancy_follows_the_calculator():

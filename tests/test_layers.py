@@ -145,7 +145,10 @@ def test_at_most_seven_floors_from_the_top():
 # head (issue 54); the callback hands the Trainer's label_smoothing_factor to the head and keeps a frozen head's
 # index (55), adds eval_perplexity and drops TRL's NaN metrics (56), logs each rebuild's reason and ESS and carries the refresh schedule's state (54); the config has
 # z_loss, label_smoothing (55) and the refresh budget and bounds (54), each with its help and checks.
-MAX_LINES = {"hf_midx.config": 530, "hf_midx.integration.head": 285, "hf_midx.integration.callback": 370}
+# samplers/base.py 450 -> 465 and samplers/midx.py 450 -> 480: has_fused_draw, the hook by which the loss offers a
+# sampler its Triton draw, and MIDX's fused branch of its draw with the log q it reads from the codeword scores (51).
+MAX_LINES = {"hf_midx.config": 530, "hf_midx.integration.head": 285, "hf_midx.integration.callback": 370,
+             "hf_midx.samplers.base": 465, "hf_midx.samplers.midx": 480}
 
 
 def test_each_file_holds_one_idea():

@@ -101,9 +101,10 @@ def test_first_command_installs_cpu_torch_before_the_package_and_the_first_run_c
     assert shlex.split(second)[:2] == ["python", "recipes/wikitext2.py"] and "&&" not in second
     assert re.search(r"about \d+ minutes on a 2-core CPU", readme().split("## Usage", 1)[0])  # how long it takes
     assert "With an NVIDIA GPU" in readme().split("## Usage", 1)[0]  # and what a GPU user does instead
-    # CI pins the same CPU build (PyPI stays an index, for machines that only reach PyPI or a mirror).
+    # CI pins the same CPU build from the same index where it resolves (PyPI stays an index, for machines that only
+    # reach PyPI or a mirror).
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
-    assert "python -m pip install -q " + " ".join(CPU_TORCH[2:]) in ci
+    assert f"python -m pip install -q {CPU_TORCH[2]} " in ci and f"CPU_INDEX=({' '.join(CPU_TORCH[3:])})" in ci
 
 
 def test_readme_is_short_leads_with_the_decision_and_its_links_resolve():

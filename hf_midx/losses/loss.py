@@ -165,7 +165,7 @@ def sampled_softmax_loss(
     # 1. the draws: one evaluation of the proposal gives them and, for the corrected positive, the label's log q
     ids, log_q, log_q_pos, factors = _draw(
         sampler, hidden.detach().float(), y, valid, num_samples, negatives, corrected, expected, tail_gradient,
-        generator,
+        generator, fused,
     )
     head_ids = excluded.to(device) if num_exact else None  # (H,) sorted
     if fused:
@@ -268,21 +268,29 @@ def _check_exact_ids(exact_ids: torch.Tensor | None, excluded: torch.Tensor | No
     return num_exact
 
 
-def _draw(sampler, queries, y, valid, num_samples, negatives, corrected, expected, tail_gradient, generator):
+def _draw(sampler, queries, y, valid, num_samples, negatives, corrected, expected, tail_gradient, generator, fused):
     """The negatives of the (T, D) float32 ``queries``: (ids, log_q, log_q_pos, factors).
 
     Per-query: ids (T, M) int64 and their log q (T, M); shared: the pool (P,) and log qbar (P,). log_q_pos: (T,)
     the label's log q for the corrected positive, else None. factors: the proposal's closed form for the
-    expected tail gradient (per-query, where ``expected``), else None.
+    expected tail gradient (per-query, where ``expected``), else None. ``fused``: the loss runs the fused kernels,
+    and so does the draw where the sampler has a fused one (:meth:`hf_midx.Sampler.draw_with_factors`).
     """
     if negatives == "per-query":
+        # A sampler with a Triton draw takes it with the fused loss; any other is called as before.
+        has_fused_draw = getattr(sampler, "has_fused_draw", None)  # absent from a duck-typed sampler
+        draw_kernels = {"kernels": "fused"} if fused and has_fused_draw is not None and has_fused_draw() else {}
         if expected:
             scored = y.unsqueeze(1) if corrected else None
-            ids, log_q, log_q_pos, factors = sampler.draw_with_factors(queries, num_samples, scored, generator=generator)
+            ids, log_q, log_q_pos, factors = sampler.draw_with_factors(
+                queries, num_samples, scored, generator=generator, **draw_kernels
+            )
             check_closed_form(factors, tail_gradient, sampler)
             return ids, log_q, None if log_q_pos is None else log_q_pos.squeeze(1), factors
         if corrected:
-            ids, log_q, log_q_pos = sampler.draw_scored(queries, num_samples, y.unsqueeze(1), generator=generator)
+            ids, log_q, log_q_pos = sampler.draw_scored(
+                queries, num_samples, y.unsqueeze(1), generator=generator, **draw_kernels
+            )
             return ids, log_q, log_q_pos.squeeze(1), None
         ids, log_q = sampler.draw(queries, num_samples, generator=generator)  # (T, M)
         return ids, log_q, None, None

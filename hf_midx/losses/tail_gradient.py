@@ -154,6 +154,8 @@ class _ExpectedShare(torch.autograd.Function):
         # The two (T x B x C) products in the weight's dtype (hidden is already in it): bfloat16 / float16 on tensor
         # cores, accumulated in float32; float32 or float64 in the table's.
         dt = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float16) else table.dtype
+        # The (T, B) probabilities in that dtype once, for both products (each would cast them again).
+        probs = None if probs is None else probs.to(dt)
         grad_hidden = grad_table = grad_bias = None
         if ctx.needs_input_grad[2]:
             grad_hidden = (c.to(dt) * _mix(probs, table, dt)).to(hidden.dtype)

@@ -122,12 +122,20 @@ class Sampler:
 
     def draw_with_factors(self, queries, num_samples, ids=None, generator=None):
         """:meth:`draw_scored` (or :meth:`draw` for ``ids=None``, with None for the ids' log q) plus
-        :meth:`proposal_factors` of the same queries, from one evaluation of the proposal where it can."""
+        :meth:`proposal_factors` of the same queries, from one evaluation of the proposal where it can. A sampler
+        whose :meth:`has_fused_draw` is True also takes ``kernels="fused"`` here and in :meth:`draw_scored` (its
+        Triton draw)."""
         if ids is None:
             draws, log_q, scored = (*self.draw(queries, num_samples, generator=generator), None)
         else:
             draws, log_q, scored = self.draw_scored(queries, num_samples, ids, generator=generator)
         return draws, log_q, scored, self.proposal_factors(self._queries(queries))
+
+    @classmethod
+    def has_fused_draw(cls) -> bool:
+        """Whether :meth:`draw_with_factors` and :meth:`draw_scored` take ``kernels="fused"`` (a Triton draw; False
+        here: a sampler, a custom one included, is called without it)."""
+        return False
 
     @classmethod
     def has_closed_form(cls) -> bool:

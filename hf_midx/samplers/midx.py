@@ -278,30 +278,53 @@ class MidxQuantizedSampler(MidxSampler):
         k = self.index.codebook_size
         return s[:, :k], s[:, k:], log_z.squeeze(1)
 
-    def _draw(self, q: torch.Tensor, m: int, gen, ids: torch.Tensor | None, factors: bool = False):
+    def _draw(self, q: torch.Tensor, m: int, gen, ids: torch.Tensor | None, factors: bool = False,
+              fused: bool = False):
         """(T, M) global draws, their log Q (T, M), and log Q of (T, N) global ``ids`` (None for None).
 
         One proposal evaluation and one call of the generator per step: its (4, T, M) uniforms pick the
         bucket (inverse CDF over the K*K buckets: the two-stage P1(k1) P2(k2 | k1) draw in one search), the
         class inside it, the static component's class and which of the two each draw keeps (both drawn:
         no host sync). A float64 uniform u of 53 bits gives u * total < total, so no zero-weight entry is drawn.
+        ``fused``: the bucket draw and the generator in Triton kernels (:mod:`hf_midx.losses.kernels.draw`), the
+        same draws up to float rounding from the same stream.
         """
-        _, joint, log_z, cum, e = self._scores(q)
-        u = gen.rand(2 if self._log_static is None else 4, q.shape[0], m, dtype=torch.float64)
-        # The clamp only matters for NaN queries (searchsorted then returns K*K): an index in range lets the
-        # caller say which tensor went NaN.
-        # A float32 target strictly below the row's total: u * total * (1 - 2^-23) rounds at most to the float
-        # before the total, so a trailing empty bucket is never drawn (the last bucket loses < 2^-23 of the mass).
-        target = (u[0] * (cum[:, -1:] * (1 - 2.0**-23))).float()
-        bucket = torch.searchsorted(cum, target, right=True).clamp_max(cum.shape[1] - 1)
+        if fused:
+            # Lazily: the kernels' module imports Triton.
+            from ..losses.kernels.draw import midx_bucket_draw  # noqa: PLC0415
+
+            s = q @ self._codewords
+            u = gen.rand(2 if self._log_static is None else 4, q.shape[0], m, dtype=torch.float64, fused=True)
+            bucket, log_z, probs = midx_bucket_draw(s, self._log_mass, u[0], self._bucket_share, probs=factors)
+            joint = None
+        else:
+            _, joint, log_z, cum, e = self._scores(q)
+            u = gen.rand(2 if self._log_static is None else 4, q.shape[0], m, dtype=torch.float64)
+            # The clamp only matters for NaN queries (searchsorted then returns K*K): an index in range lets the
+            # caller say which tensor went NaN.
+            # A float32 target strictly below the row's total: u * total * (1 - 2^-23) rounds at most to the float
+            # before the total, so a trailing empty bucket is never drawn (the last bucket loses < 2^-23 of the
+            # mass).
+            target = (u[0] * (cum[:, -1:] * (1 - 2.0**-23))).float()
+            bucket = torch.searchsorted(cum, target, right=True).clamp_max(cum.shape[1] - 1)
         draws = self.index.draw_members(bucket, u[1], self._cum_w, ids=self._order)
         if self._log_static is not None:
             static = torch.searchsorted(self._static_cum, u[2] * self._static_total, right=True)
             draws = torch.where(u[3] < self.mix_weight, static, draws)
         both = draws if ids is None else torch.cat([ids, draws], dim=1)
-        log_q = self._log_q(joint, log_z, both)
+        log_q = self._log_q(joint, log_z, both) if joint is not None else self._log_q_scores(s, log_z, both)
         out = (draws, log_q, None) if ids is None else (draws, log_q[:, ids.shape[1] :], log_q[:, : ids.shape[1]])
-        return (*out, self._factors(e, cum)) if factors else out
+        if not factors:
+            return out
+        return (*out, ProposalFactors(probs, *self._fixed_factors) if fused else self._factors(e, cum))
+
+    def _log_q_scores(self, s: torch.Tensor, log_z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`_log_q` from the (T, 2K) codeword scores instead of the (T, K*K) bucket logits (the fused draw
+        makes none): each id's bucket logit summed as :meth:`_scores` sums it, (s1 + s2) + log W."""
+        k = self.index.codebook_size
+        b = self._class_bucket[ids]
+        joint = (s.gather(1, torch.div(b, k, rounding_mode="floor")) + s.gather(1, k + b % k)) + self._log_mass[b]
+        return self._mixed(joint - log_z, ids)
 
     def _log_q(self, joint: torch.Tensor, log_z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """log Q of (T, N) global ids from the bucket logits: the MIDX component, mixed with the static one."""
@@ -319,9 +342,10 @@ class MidxQuantizedSampler(MidxSampler):
         draws, log_q, _ = self._draw(self._queries(queries), num_samples, as_counter_rng(generator, self.generator), None)
         return draws, log_q
 
-    def draw_scored(self, queries, num_samples, ids, generator=None):
+    def draw_scored(self, queries, num_samples, ids, generator=None, kernels="eager"):
+        """:meth:`Sampler.draw_scored`; ``kernels="fused"`` as in :meth:`draw_with_factors`."""
         gen = as_counter_rng(generator, self.generator)
-        return self._draw(self._queries(queries), num_samples, gen, ids.to(self.device))
+        return self._draw(self._queries(queries), num_samples, gen, ids.to(self.device), False, self._fused(kernels))
 
     def _sample(self, q, m, gen):
         draws, log_q, _ = self._draw(q, m, gen, None)
@@ -331,9 +355,27 @@ class MidxQuantizedSampler(MidxSampler):
         _, joint, log_z, *_ = self._scores(q)
         return self._log_q(joint, log_z, self._to_global(ids))
 
-    def draw_with_factors(self, queries, num_samples, ids=None, generator=None):
+    @classmethod
+    def has_fused_draw(cls) -> bool:
+        return True
+
+    def draw_with_factors(self, queries, num_samples, ids=None, generator=None, kernels="eager"):
+        """:meth:`Sampler.draw_with_factors`; ``kernels="fused"``: the bucket draw and the generator in Triton kernels
+        (:mod:`hf_midx.losses.kernels.draw`, K * K <= 4,096; a larger codebook draws eagerly), the same draws up to
+        float rounding, the stream advanced alike."""
         gen = as_counter_rng(generator, self.generator)
-        return self._draw(self._queries(queries), num_samples, gen, None if ids is None else ids.to(self.device), True)
+        ids = None if ids is None else ids.to(self.device)
+        return self._draw(self._queries(queries), num_samples, gen, ids, True, self._fused(kernels))
+
+    def _fused(self, kernels: str) -> bool:
+        """Whether a draw asked for with ``kernels`` runs the Triton draw."""
+        if kernels not in ("eager", "fused"):
+            raise ValueError(f"kernels must be 'eager' or 'fused' for a draw, got {kernels!r}.")
+        if kernels == "eager":
+            return False
+        from ..losses.kernels.draw import fits  # noqa: PLC0415 (lazily: the kernels' package)
+
+        return fits(self.index.codebook_size)  # a larger codebook keeps the eager draw
 
     def proposal_factors(self, queries):
         *_, cum, e = self._scores(self._queries(queries))

@@ -378,6 +378,17 @@ def _triton_cost(name: str, a: dict) -> tuple[int, int, int, str]:
         spread = 4 * v * d if isinstance(a.get("grad_table"), TensorMeta) else 0
         note = f"{pairs} (token, class) pairs; writes (V, D) = ({v}, {d}) once" + (", with the tail's spread" if spread else "")
         return rows + _unique_bytes(rest), 0, 2 * pairs * d + spread, note
+    if name == "hf_midx.midx_draw":
+        t, m = a["bucket"].shape
+        k = a["ints"][0]
+        # A token's K * K bucket logits stay in registers: the scores, uniforms and tables read once, the buckets, log Z
+        # and (for the tail gradient) the probabilities written once; on CUDA cores the logits, exp and scan (~8
+        # operations a bucket) and one compare-and-count over the K * K running sums per draw.
+        flops = t * k * k * (8 + 2 * m)
+        return _unique_bytes(_tensors(a)), 0, flops, f"T = {t} tokens x K * K = {k * k} buckets in registers, M = {m}"
+    if name == "hf_midx.counter_rand":
+        n = a["out"].numel()
+        return _unique_bytes(_tensors(a)), 0, 0, f"{n:,} uniforms hashed in registers (SplitMix64), written once"
     return _unique_bytes(_tensors(a)), 0, 0, "unmodelled Triton op: the bytes of its arguments only"
 
 

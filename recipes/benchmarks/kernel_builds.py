@@ -1,7 +1,7 @@
 """The fused path's Triton kernels built for every GPU users train on, without a GPU (issue 51, item 3).
 
-Each launch of the default fused path (``FusedCandidateLoss``'s forward and backward: the three kernels of
-``hf_midx/losses/kernels/``) is captured at its real launch configuration, then built by Triton's own compiler and
+Each launch of the default fused path (``FusedCandidateLoss``'s forward and backward, the three kernels of
+``hf_midx/losses/kernels/``, and the MIDX draw's two: the counter generator and the bucket draw) is captured at its real launch configuration, then built by Triton's own compiler and
 its bundled ptxas for each target, and the cubin's resources are read by the bundled ``cuobjdump``: registers a
 thread, stack and local (spilled) bytes, shared memory a program, and the occupancy these allow on that target.
 
@@ -183,7 +183,19 @@ def default_launches(shape: str, cc: int) -> list[Launch]:
         )
         loss = out[0] + out[2].sum() if tail else out
         loss.backward()
-    return launches
+    # The MIDX draw's two kernels (the generator, the bucket draw) as midx-rq launches them, the bucket probabilities
+    # written where the tail gradient reads them; the ops directly (their entry points want a CUDA tensor).
+    from hf_midx.losses.kernels.draw import launch_options
+
+    k = cfg.codebook_size
+    u = torch.empty(4, t, m, dtype=torch.float64)
+    with capturing(cc) as draw_launches:
+        torch.ops.hf_midx.counter_rand(torch.zeros(2, dtype=torch.int64), u, [1024])
+        torch.ops.hf_midx.midx_draw(
+            torch.randn(t, 2 * k, generator=g), torch.zeros(b), u[0], torch.ones(b), torch.empty(t, m, dtype=torch.long),
+            torch.empty(t, 1), torch.empty(t, b) if tail else None, launch_options(TOKENS, k, interpreted=False),
+        )
+    return draw_launches + launches
 
 
 # ====================================================================== build

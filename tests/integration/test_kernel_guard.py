@@ -2,7 +2,7 @@
 
 A device where the kernels cannot build is simulated: the head's guard is told the fused path applies to this
 CPU model (as it does to a CUDA one), the loss lets "fused" reach the kernels on the CPU (as under the
-interpreter), and the kernels' autograd Function raises what a failed build raises. With ``kernels="auto"`` the
+interpreter), and the kernels (the draw's and the loss's autograd Function) raise what a failed build raises. With ``kernels="auto"`` the
 head must warn once, run the fused path no more after its probe, and train exactly as the eager head does (the
 probe draws from a generator of its own); an explicit ``kernels="fused"`` must raise.
 """
@@ -20,7 +20,7 @@ import hf_midx.losses.kernels as kernels
 from hf_midx import MidxConfig
 from hf_midx.integration.head import MidxLMHead
 from hf_midx.integration import kernel_guard
-from hf_midx.losses.kernels import candidate
+from hf_midx.losses.kernels import candidate, counter, draw
 
 from _models import clone_model, markov_batches, tiny_model
 from test_fused_head import train
@@ -38,6 +38,9 @@ def broken_kernels(monkeypatch):
         calls["fused"] += 1
         raise RuntimeError(BUILD_ERROR)
 
+    # The step's first kernels are the draw's (the generator, then the bucket draw), then the loss's.
+    monkeypatch.setattr(counter, "counter_rand", fail)
+    monkeypatch.setattr(draw, "midx_bucket_draw", fail)
     monkeypatch.setattr(candidate.FusedCandidateLoss, "apply", fail)
     monkeypatch.setattr(kernel_guard, "auto_takes_fused", lambda weight, negatives: True)
     monkeypatch.setattr(kernels, "triton_available", lambda: True)

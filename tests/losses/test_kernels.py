@@ -425,6 +425,68 @@ def test_counter_rand_is_the_eager_stream(dtype):
         assert torch.equal(fused_rng.get_state(), eager_rng.get_state())
 
 
+@interpreted
+@pytest.mark.parametrize("options", [{}, {"last_stage": "frequency", "mix_weight": 0.1}], ids=["uniform", "mixture"])
+def test_fused_draw_is_the_eager_draw(options):
+    """The MIDX draw with kernels="fused" (the generator and the bucket draw in Triton) against the eager one from the
+    same stream: the same draws but where a target falls within a rounding of a bucket boundary (the scan sums in
+    another order), log q and the factors within float32 rounding, the stream advanced alike."""
+    from hf_midx.samplers.midx import MidxRQSampler
+
+    g = torch.Generator().manual_seed(3)
+    v, d, t, m = 3000, 16, 256, 20
+    counts = torch.randint(1, 100, (v,), generator=g)
+    sampler = MidxRQSampler(torch.randn(v, d, generator=g), codebook_size=16, class_counts=counts,
+                            exclude=torch.arange(50), **options)  # fmt: skip
+    queries = torch.randn(t, d, generator=g) * 2
+    labels = torch.randint(50, v, (t, 1), generator=g)
+    eager_rng, fused_rng = CounterRNG(5), CounterRNG(5)
+    for _ in range(2):
+        eager = sampler.draw_with_factors(queries, m, labels, generator=eager_rng)
+        fused = sampler.draw_with_factors(queries, m, labels, generator=fused_rng, kernels="fused")
+        same = eager[0] == fused[0]
+        assert same.float().mean() >= 0.999, same.float().mean()
+        torch.testing.assert_close(fused[1][same], eager[1][same], rtol=0, atol=1e-5)
+        torch.testing.assert_close(fused[2], eager[2], rtol=0, atol=1e-5)
+        torch.testing.assert_close(fused[3].probs, eager[3].probs, rtol=1e-5, atol=1e-7)
+        assert torch.equal(fused_rng.get_state(), eager_rng.get_state())
+    # Nothing excluded or out of range is drawn, and every draw's bucket is a non-empty one.
+    assert not torch.isin(fused[0], torch.arange(50)).any() and int(fused[0].max()) < v
+
+
+@interpreted
+def test_fused_draw_keeps_the_eager_draw_beyond_its_codebook_bound(monkeypatch):
+    """K * K above MAX_BUCKETS: kernels="fused" draws eagerly (no launch); a bad kernels name raises."""
+    from hf_midx.losses.kernels.draw import MAX_BUCKETS, fits
+    from hf_midx.samplers.midx import MidxRQSampler
+
+    assert fits(64) and not fits(65) and MAX_BUCKETS == 4096
+    launches = launched_kernels(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    sampler = MidxRQSampler(torch.randn(400, 8, generator=g), codebook_size=80, kmeans_iters=1)
+    sampler.draw_with_factors(torch.randn(4, 8, generator=g), 3, kernels="fused")
+    assert launches == []
+    with pytest.raises(ValueError, match="kernels must be 'eager' or 'fused'"):
+        sampler.draw_with_factors(torch.randn(4, 8), 3, kernels="triton")
+
+
+def test_fused_draw_validates_its_inputs():
+    """midx_bucket_draw's shapes and dtypes, checked before anything runs (no Triton needed to raise)."""
+    from hf_midx.losses.kernels.draw import midx_bucket_draw
+
+    s, lm, u = torch.zeros(4, 8), torch.zeros(16), torch.rand(4, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"scores must be \(T, 2K\) float32"):
+        midx_bucket_draw(s.double(), lm, u)
+    with pytest.raises(ValueError, match="K \\* K <= 4096"):
+        midx_bucket_draw(torch.zeros(4, 130), torch.zeros(65 * 65), u)
+    with pytest.raises(ValueError, match=r"log_mass must be \(16,\) float32"):
+        midx_bucket_draw(s, torch.zeros(15), u)
+    with pytest.raises(ValueError, match=r"u must be \(T, M\) = \(4, M\) float64"):
+        midx_bucket_draw(s, lm, u.float())
+    with pytest.raises(ValueError, match=r"share must be \(16,\) float32"):
+        midx_bucket_draw(s, lm, u, torch.zeros(16, dtype=torch.float64))
+
+
 # ------------------------------------------------------------------------------------------ entry point
 @interpreted
 def test_validation_and_backend_choice(monkeypatch):

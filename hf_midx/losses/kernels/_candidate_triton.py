@@ -171,7 +171,7 @@ def candidate_forward_kernel(
     Writes loss (T,) f32 (0 at ignored tokens), stats (programs, 2) f32 (this block's loss sum and
     number of valid tokens, for the reduction), rows (T, R) int32 (the label, then the negatives; V for a
     pair of zero gradient),
-    g_cand (T, R) f32 and g_head (T, H) f32 (may alias head_raw when that is float32: each element
+    g_cand (T, R) f32 and g_head (T, H) in its own dtype (it aliases head_raw, of the weight's dtype: each element
     is read before this program writes it); a label in the head has its gradient in g_head, 0 in g_cand. With TAIL_CONTROL, share (T,) f32: the draws' share of the softmax
     (0 at ignored tokens), and each draw's gradient less share / M (the expected tail gradient's sampled part).
     """
@@ -262,10 +262,11 @@ def candidate_grad_hidden_kernel(
     HAS_BASE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """out[t] = gscale[t] * sum_r g_cand[t, r] weight[rows[t, r]] (+ base[t]); grid (T / BLOCK_T, D / BLOCK_D).
+    """out[t] = gscale[t] * (sum_r g_cand[t, r] weight[rows[t, r]] (+ base[t])); grid (T / BLOCK_T, D / BLOCK_D).
 
-    ``gscale`` is the upstream gradient per token (stride 0 for a scalar); ``base`` (T, D), already
-    scaled, is the exact head's part (one GEMM outside). Each output element is written once.
+    ``gscale`` is the upstream gradient per token (stride 0 for a scalar); ``base`` (T, D), not scaled, is the
+    exact head's part (one GEMM outside, of the head's unscaled logit gradient: the scale is applied here, to a
+    (T, D) tile in registers, instead of to the (T, H) gradient in memory). Each output element is written once.
     """
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -283,10 +284,10 @@ def candidate_grad_hidden_kernel(
         other=0.0,
     ).to(tl.float32)
     acc = tl.sum(w * g[:, :, None], axis=1)
-    acc *= tl.load(gscale_ptr + t64 * stride_gscale, mask=t_ok, other=0.0).to(tl.float32)[:, None]
     out_ok = t_ok[:, None] & d_ok[None, :]
     if HAS_BASE:
         acc += tl.load(base_ptr + t64[:, None] * stride_base + d[None, :], mask=out_ok, other=0.0).to(tl.float32)
+    acc *= tl.load(gscale_ptr + t64 * stride_gscale, mask=t_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + t64[:, None] * stride_out + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 

@@ -126,8 +126,9 @@ class FusedCandidateLoss(torch.autograd.Function):
             head_ids = head_ids.contiguous()
             w_head = weight.index_select(0, head_ids)  # (H, D), kept for the backward GEMMs
             head_raw = hidden @ w_head.t()  # (T, H): cuBLAS, in the weight's dtype
-            # The gradient overwrites the logits where both are float32 (each read before written): g_head None.
-            g_head = None if head_raw.dtype == f32 else head_raw.new_empty(head_raw.shape, dtype=f32)
+            # The gradient overwrites the logits, in their dtype (each read before written; the backward's GEMMs
+            # take it in that dtype): g_head None.
+            g_head = None
         else:
             head_ids = w_head = head_raw = g_head = None
         programs = _cdiv(num_tokens, blocks.t)
@@ -180,13 +181,10 @@ class FusedCandidateLoss(torch.autograd.Function):
         num_classes = weight.shape[0]
         gscale = (grad_out / count if count is not None else grad_out).float()  # () or (T,)
         grad_hidden = grad_weight = grad_bias = None
-        g_head_w = None
-        if ctx.num_head:
-            # The head's part as GEMMs in the weight's dtype, after the per-token scale (as autograd orders it).
-            g_head_scaled = g_head * (gscale.unsqueeze(1) if gscale.dim() else gscale)
-            g_head_w = g_head_scaled.to(weight.dtype)
+        # The head's (T, H) logit gradient, in the weight's dtype, enters its GEMMs unscaled: the upstream scale goes
+        # on their (T, D) and (H, D) outputs (the grad_hidden kernel scales its tile), not on a (T, H) pass of its own.
         if need_h:
-            base = g_head_w @ w_head if ctx.num_head else None  # (T, D)
+            base = g_head @ w_head if ctx.num_head else None  # (T, D), unscaled
             grad_hidden = torch.empty_like(hidden)
             torch.ops.hf_midx.candidate_grad_hidden(
                 weight, rows, g_cand, gscale, base, grad_hidden, [blocks.t, blocks.d, blocks.warps]
@@ -207,10 +205,18 @@ class FusedCandidateLoss(torch.autograd.Function):
                 [blocks.v, blocks.p, blocks.vd, blocks.warps, blocks.registers],
             )
             if ctx.num_head:
-                # Head ids are distinct: index_add_ adds each row once, deterministically.
-                grad_weight.index_add_(0, head_ids, g_head_w.t() @ hidden)
+                # Head ids are distinct: index_add_ adds each row once, deterministically. A per-token scale goes on
+                # the hidden states' rows (T, D), a scalar one on the (H, D) product; either in float32 (a bfloat16
+                # copy of the scale would bias every head row by its rounding).
+                if gscale.dim():
+                    head_grad = g_head.t() @ (hidden.float() * gscale.unsqueeze(1)).to(hidden.dtype)
+                    head_bias = g_head.t().float() @ gscale if need_b else None
+                else:
+                    head_grad = (g_head.t() @ hidden).float().mul_(gscale).to(weight.dtype)
+                    head_bias = g_head.sum(0, dtype=torch.float32) * gscale if need_b else None
+                grad_weight.index_add_(0, head_ids, head_grad)
                 if need_b:
-                    grad_bias.index_add_(0, head_ids, g_head_scaled.sum(0).to(grad_bias.dtype))
+                    grad_bias.index_add_(0, head_ids, head_bias.to(grad_bias.dtype))
             if not need_w:
                 grad_weight = None
         return (grad_hidden, grad_weight, grad_bias) + (None,) * 15

@@ -162,3 +162,41 @@ def candidate_grad_weight(
 @candidate_grad_weight.register_fake
 def _(*args, **kwargs) -> None:
     return None
+
+
+@torch.library.custom_op(f"{_LIB}::midx_draw", mutates_args=("bucket", "log_z", "probs"))
+def midx_draw(
+    scores: Tensor, log_mass: Tensor, u: Tensor, share: Tensor | None, bucket: Tensor, log_z: Tensor,
+    probs: Tensor | None, ints: list[int],
+) -> None:
+    """The MIDX bucket draw (:func:`hf_midx.losses.kernels.draw.midx_bucket_draw`); ints = [K, BLOCK_T, warps]."""
+    k, block_t, warps = ints
+    num_tokens, m = bucket.shape
+    _kernels_module("_draw_triton").midx_draw_kernel[(_cdiv(num_tokens, block_t),)](
+        scores, log_mass, u, share if share is not None else log_mass, bucket, log_z,
+        probs if probs is not None else log_z, num_tokens, m, scores.stride(0),
+        K=k, HAS_SHARE=share is not None, WRITE_PROBS=probs is not None, BLOCK_T=block_t, BLOCK_B=_pow2(k * k),
+        num_warps=warps,
+    )
+
+
+@midx_draw.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{_LIB}::counter_rand", mutates_args=("state", "out"))
+def counter_rand(state: Tensor, out: Tensor, ints: list[int]) -> None:
+    """out = the next out.numel() uniforms of the CounterRNG stream at ``state`` (its dtype's), the state advanced;
+    ints = [BLOCK] (:func:`hf_midx.losses.kernels.counter.counter_rand`)."""
+    (block,) = ints
+    n = out.numel()
+    f64 = out.dtype == torch.float64
+    if n:
+        _kernels_module("_counter_triton").counter_rand_kernel[(_cdiv(n, block),)](state, out, n, F64=f64, BLOCK=block)
+    state[1:].add_(n if f64 else (n + 1) // 2)
+
+
+@counter_rand.register_fake
+def _(*args, **kwargs) -> None:
+    return None
