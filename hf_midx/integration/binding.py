@@ -17,8 +17,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import transformers
+from packaging.version import Version
 from torch import nn
 from transformers.utils import ModelOutput
+
+
+#: transformers 4.57 to 5.10.0 count ``num_items_in_batch`` of ``prediction_step`` over the unshifted labels, one
+#: token a row more than the causal loss sums (an eval_loss x (S - 1) / S, silently, for every Trainer); 5.10.1
+#: counts ``labels[..., 1:]``. On those releases the binding takes the mean over its shifted tokens in evaluation.
+UNSHIFTED_EVAL_COUNT = Version(transformers.__version__) < Version("5.10.1")
 
 _CAUSAL_LM_LOSS_TYPE = "ForCausalLM"
 
@@ -249,6 +257,11 @@ class HostBinding:
                     "resize_token_embeddings: unwrap first, resize, then wrap again).",
                     stacklevel=2,
                 )
+            if not head.training and UNSHIFTED_EVAL_COUNT:  # the full-logit loss of evaluation: the same count fix
+                call = self._loss_signature.bind(*args, **kwargs)
+                if call.arguments.get("shift_labels") is None and call.arguments.get("num_items_in_batch") is not None:
+                    call.arguments["num_items_in_batch"] = None
+                    args, kwargs = call.args, call.kwargs
             return self.saved_loss_function(*args, **kwargs)
         bound = self._loss_signature.bind(*args, **kwargs).arguments
         ignore_index, num_items = bound.get("ignore_index", -100), bound.get("num_items_in_batch")
@@ -256,6 +269,8 @@ class HostBinding:
         labels, shifted_here = bound.get("shift_labels"), bound.get("shift_labels") is None
         if shifted_here:
             labels = F.pad(bound["labels"], (0, 1), value=ignore_index)[..., 1:]
+            if not head.training and UNSHIFTED_EVAL_COUNT:
+                num_items = None  # the Trainer's count is over the unshifted labels (see UNSHIFTED_EVAL_COUNT)
         if labels.numel() != hidden.numel() // hidden.shape[-1]:
             raise ValueError(
                 f"The head saw {hidden.numel() // hidden.shape[-1]} hidden states but the labels give "

@@ -26,8 +26,6 @@ import os
 from typing import Any
 
 import torch
-import transformers
-from packaging.version import Version
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -66,38 +64,17 @@ class PerplexityMixin:
         return output
 
 
-#: transformers' prediction_step counts num_items_in_batch over unshifted labels before 5.10.1.
-UNSHIFTED_EVAL_COUNT = Version(transformers.__version__) < Version("5.10.1")
-
-
 class ExactEvaluationMixin:
     """A ``Trainer``'s evaluation of a wrapped model: the exact loss, without the (tokens x V) logits when only
-    the loss is asked for, and divided by the right token count on every supported transformers."""
-
-    _midx_predicting = False  # inside prediction_step (see compute_loss)
+    the loss is asked for (the token count the Trainer passes is set right by the binding,
+    :data:`~hf_midx.integration.binding.UNSHIFTED_EVAL_COUNT`, for any Trainer)."""
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """With ``prediction_loss_only`` the exact loss is computed without materializing the logits."""
         head = find_head(model) or find_head(self.model)
         has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
-        self._midx_predicting = True
-        try:
-            with head.exact_loss_only() if prediction_loss_only and has_labels and head else contextlib.nullcontext():
-                return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        finally:
-            self._midx_predicting = False
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """``Trainer.compute_loss``; in evaluation on transformers 4.57-5.10.0 without the Trainer's token count.
-
-        Those releases count ``num_items_in_batch`` over the unshifted labels in ``prediction_step``, one token
-        per row more than the causal loss sums (eval_loss x (S-1)/S, silently); without it the model takes the
-        mean over its shifted tokens, the exact loss. From 5.10.1 the count is right and is kept (it is the
-        global count under data parallelism).
-        """
-        if self._midx_predicting and UNSHIFTED_EVAL_COUNT:
-            num_items_in_batch = None
-        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        with head.exact_loss_only() if prediction_loss_only and has_labels and head else contextlib.nullcontext():
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
 
 class MidxTrainer(PerplexityMixin, ExactEvaluationMixin, Trainer):
