@@ -247,6 +247,10 @@ class HostBinding:
     def loss_function(self, *args, **kwargs) -> torch.Tensor:
         """Installed as the host's ``loss_function``; same call contract as ``ForCausalLMLoss``."""
         head, hidden, self._hidden = self.head, self._hidden, None
+        call = self._loss_signature.bind(*args, **kwargs)
+        if not head.training and UNSHIFTED_EVAL_COUNT and call.arguments.get("shift_labels") is None:
+            if call.arguments.get("num_items_in_batch") is not None:  # counted over the unshifted labels
+                call.arguments["num_items_in_batch"] = None  # the mean over the shifted tokens, sampled or full
         if hidden is None:
             if head.training and not self._warned_unhooked:
                 self._warned_unhooked = True
@@ -257,20 +261,13 @@ class HostBinding:
                     "resize_token_embeddings: unwrap first, resize, then wrap again).",
                     stacklevel=2,
                 )
-            if not head.training and UNSHIFTED_EVAL_COUNT:  # the full-logit loss of evaluation: the same count fix
-                call = self._loss_signature.bind(*args, **kwargs)
-                if call.arguments.get("shift_labels") is None and call.arguments.get("num_items_in_batch") is not None:
-                    call.arguments["num_items_in_batch"] = None
-                    args, kwargs = call.args, call.kwargs
-            return self.saved_loss_function(*args, **kwargs)
-        bound = self._loss_signature.bind(*args, **kwargs).arguments
+            return self.saved_loss_function(*call.args, **call.kwargs)
+        bound = call.arguments
         ignore_index, num_items = bound.get("ignore_index", -100), bound.get("num_items_in_batch")
         # The label of position t is the token at t + 1 (ForCausalLMLoss semantics), unless given shifted.
         labels, shifted_here = bound.get("shift_labels"), bound.get("shift_labels") is None
         if shifted_here:
             labels = F.pad(bound["labels"], (0, 1), value=ignore_index)[..., 1:]
-            if not head.training and UNSHIFTED_EVAL_COUNT:
-                num_items = None  # the Trainer's count is over the unshifted labels (see UNSHIFTED_EVAL_COUNT)
         if labels.numel() != hidden.numel() // hidden.shape[-1]:
             raise ValueError(
                 f"The head saw {hidden.numel() // hidden.shape[-1]} hidden states but the labels give "
