@@ -9,9 +9,9 @@ frequencies and clustered next-word structure (synthetic.py). The chain's entrop
 exactly, so exp(H), the best perplexity any model can reach, is reported beside the achieved one, with
 the chain's own perplexity on the test blocks (should be close to exp(H)) and the best context-free
 (unigram) perplexity. Every block is an independent stationary run of seq_len + 1 words. The model and
-Trainer flags are those of wikitext2.py; the MIDX defaults are the library's (MidxConfig()) except that the
-index is rebuilt every 100 steps: a default run is one epoch, and the library's refresh at each epoch start
-alone would keep the index of the random initial weights.
+Trainer flags are those of wikitext2.py; the MIDX settings are the library's defaults (MidxConfig()): the index
+is rebuilt when the measured cost allows (``refresh_every_steps="auto"``), so the one epoch of a default run does
+not keep the index of the random initial weights.
 
 The defaults make a learning curve that fits a 2-core CPU: 16,000,000 fresh training tokens seen once each
 (10,000 steps of 32 x 50 tokens; a corpus of 500k tokens overfits after about 900 steps at V = 100,000),

@@ -7,8 +7,8 @@
 The model is the paper's WikiText-2 transformer: a GPT-2-architecture decoder with 2 layers, 4 heads,
 embeddings 200, feed-forward 1024, tied embeddings, 50 predicted tokens per block. The sampler is the
 library's default (midx-rq with 20 negatives per token, 32 codewords per codebook, an exact head and a
-unigram mixture) with an index rebuilt every 100 steps; in one-epoch runs it trained 0.9% better than
-``--num_samples 100`` (3 seeds) at about 1.7 times its speed (recipes/benchmarks/README.md). Data:
+unigram mixture, the index rebuilt on the schedule the measured cost allows); in one-epoch runs M = 20 trained
+0.9% better than ``--num_samples 100`` (3 seeds) at about 1.7 times its speed (recipes/benchmarks/README.md). Data:
 WikiText-2 from the Hugging Face Hub (``Salesforce/wikitext``, ``wikitext-2-v1``), or local files with
 --train_file/--validation_file [--test_file]; when the Hub cannot be reached and no file is given, a small
 sample shipped in recipes/data/wikitext2_sample (one line says so). The tokenizer is word level, built from
