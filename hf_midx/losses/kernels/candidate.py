@@ -26,7 +26,8 @@ The fused path is three Triton kernels and a few library calls:
   forward    the exact head's logits, one GEMM (hidden @ weight[H].T); then one kernel per block of
              tokens: logits, logsumexp, loss, gradient w.r.t. every candidate and head logit; with the
              proposal's factors (the expected tail gradient), the weight's (B + 1, D) bucket table too
-             (:func:`hf_midx.losses.tail_gradient.bucket_table`), an output whose gradient comes back here;
+             (:func:`hf_midx.losses.kernels.table.fused_bucket_table`: two launches), an output whose gradient comes
+             back here;
   backward   grad_hidden: one GEMM for the head, one kernel for the candidates (each row written once);
              grad_weight: the T R (t, r) pairs sorted by class (``torch.sort``; the forward stores a pair
              of zero gradient as class V, past every run: ignored tokens, and labels in the head, whose
@@ -50,6 +51,7 @@ from ..tail_gradient import bucket_rows, bucket_table
 
 # Importing launch registers the kernels' launches as torch.ops.hf_midx custom ops.
 from .launch import _cdiv, _pow2, triton_available, triton_interpreting
+from .table import fused_bucket_table
 
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("auto", "fused", "eager")
@@ -167,7 +169,8 @@ class FusedCandidateLoss(torch.autograd.Function):
         if factors is None:
             return out, share
         # The table's gradient is spread back over the classes inside the weight-gradient kernel (the backward).
-        table = bucket_table(factors, weight)
+        # A static proposal's one row (B = 0) is a GEMV; a bucketed one is read once in two launches.
+        table = bucket_table(factors, weight) if factors.layout.chunks is None else fused_bucket_table(factors, weight)
         if not ctx.needs_input_grad[1]:
             ctx.mark_non_differentiable(table)  # a frozen weight: the expected tail skips the table's gradient
         return out, share, table
