@@ -38,6 +38,10 @@ interpreted = pytest.mark.skipif(
     not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child (test_interpreted_fused_head)"
 )
 compiled = pytest.mark.skipif(INTERPRETED, reason="runs in the parent process, whose Triton compiles")
+#: The default head's steps run here with K = 8 (64 buckets), not the default 32: the bucket table launches one
+#: interpreted program per chunk and per bucket, about K ** 2 + V / 512 a launch, and K = 32 (1,024 buckets) made
+#: this file's child run four times longer (the capturable-graph test alone: 13 steps, about 3 minutes).
+INTERPRETED_K = 8
 
 T, V, D, M, H = 96, 2000, 32, 12, 64
 
@@ -205,8 +209,8 @@ def test_wrapped_model_with_auto_is_eager_on_the_cpu(fused_calls):
 def test_fused_head_step_is_fewer_ops_and_no_sync(monkeypatch):
     """One forward + backward of the default head's loss (the draw and the step bookkeeping included), counted
     with :mod:`test_kernels`' dispatch-mode counter: the fused path is seven Triton launches (the generator and the
-    bucket draw, the loss's three and the tail's bucket table's two) and fewer ATen ops than the eager path's, none of which reads back to the
-    host."""
+    bucket draw, the loss's three and the tail's bucket table's two) and fewer ATen ops than the eager path's, none
+    of which reads back to the host."""
     launches = launched_kernels(monkeypatch)
     models, _ = wrapped_pair("llama", "eager", "fused")
     g = torch.Generator().manual_seed(0)
@@ -254,7 +258,7 @@ def test_default_fused_step_makes_one_tensor_the_size_of_the_weight():
     """The default head (the expected tail gradient), fused, bf16: the weight's gradient is written by one kernel,
     the tail's spread included, so that one op of the step creates a new (V, D) tensor (its buffer); before issue
     45 a spread of the table's gradient and autograd's add of the two gradients made two more."""
-    head, step = _default_head_step(128, 8192, 64, torch.bfloat16, kernels="fused")
+    head, step = _default_head_step(128, 8192, 64, torch.bfloat16, kernels="fused", codebook_size=INTERPRETED_K)
     with NewTensorsOfShape(head.weight.shape) as new:
         step()
     assert head.weight.grad is not None and head.weight.grad.abs().sum() > 0
@@ -266,7 +270,7 @@ def test_a_frozen_fused_step_launches_no_weight_gradient_and_makes_no_weight_siz
     """The default head, fused, with its weight frozen (LoRA): the weight-gradient kernel never launches (the draw's
     two launches, the loss's two, not three, and the bucket table's two) and no op creates a (V, D) tensor; the
     hidden states still get their gradient."""
-    head, step = _default_head_step(128, 8192, 64, torch.bfloat16, kernels="fused")
+    head, step = _default_head_step(128, 8192, 64, torch.bfloat16, kernels="fused", codebook_size=INTERPRETED_K)
     head.weight.requires_grad_(False)
     step()
     launches = launched_kernels(monkeypatch)
@@ -282,7 +286,7 @@ def test_a_frozen_fused_step_launches_no_weight_gradient_and_makes_no_weight_siz
 def test_default_fused_step_traces_as_one_graph():
     """The default head's fused step, the proposal's factors passed into the kernels' autograd Function and the
     table's gradient out of it: one graph, 0 graph breaks, and the fullgraph-compiled step trains the weight."""
-    head, _ = _default_head_step(64, 2048, 32, torch.bfloat16, kernels="fused")
+    head, _ = _default_head_step(64, 2048, 32, torch.bfloat16, kernels="fused", codebook_size=INTERPRETED_K)
     hidden = torch.randn(64, 32, dtype=torch.bfloat16).requires_grad_()
     labels = torch.randint(2048, (64,))
     torch._dynamo.reset()
@@ -319,7 +323,8 @@ def test_fused_path_traces_as_one_graph_and_compiles_to_the_same_loss():
 def test_fused_head_step_is_one_capturable_graph():
     """The default head with the fused kernels (custom ops) under torch.compile(fullgraph=True): one graph over
     6 steps, the eager fused step's losses (to rounding: other block sizes), its state at static addresses."""
-    mutated = check_head_step_is_one_capturable_graph("fused", num_classes=V, dim=D, tokens=16, exact=False)
+    mutated = check_head_step_is_one_capturable_graph("fused", num_classes=V, dim=D, tokens=16, exact=False,
+                                                      codebook_size=INTERPRETED_K)
     assert {name.rsplit(".", 1)[-1] for name in mutated} == {"_state", "_counts", "_flags"}, mutated
 
 
