@@ -61,8 +61,8 @@ BACKENDS = ("auto", "fused", "eager")
 class Blocks:
     """Tile sizes of the fused kernels (powers of two; tokens ``t``, dims ``d``, head columns ``h``; for the
     weight gradient, classes ``v`` per program, pairs ``p`` of each class per step and dims ``vd`` per tile),
-    warps per program, and the registers a thread of the forward and weight-gradient kernels may use (ptxas's
-    ``maxnreg``, ignored by the interpreter)."""
+    warps per program, and the registers a thread of the forward kernel (``registers``) and of the weight-gradient
+    kernel (``grad_registers``) may use (ptxas's ``maxnreg``, ignored by the interpreter)."""
 
     t: int
     d: int
@@ -76,6 +76,11 @@ class Blocks:
     # the weight gradient on sm_80); at most 80 it takes 78-80 and spills none, 3 programs an SM
     # (recipes/benchmarks/results/kernel-builds/, not timed on a GPU).
     registers: int = 80
+    # The weight gradient's cap: Triton 3.8 (torch 2.14's CUDA wheels pin it) fills 80 and spills 24 B of stack a
+    # thread on sm_80 to sm_89 with the tail's table; at most 96 it takes 96 there, 83 on sm_90, and spills none.
+    # Triton 3.9 then takes 83-96 (80 without a spill at a cap of 80): 2 programs an SM instead of 3 on either.
+    # A spill-free build on the toolchains users get is the rule here; neither was timed on a GPU.
+    grad_registers: int = 96
 
     @classmethod
     def choose(cls, num_tokens: int, dim: int, rows: int, interpreted: bool) -> "Blocks":
@@ -205,7 +210,7 @@ class FusedCandidateLoss(torch.autograd.Function):
                 grad_table = bucket = member = static = None
             torch.ops.hf_midx.candidate_grad_weight(
                 hidden, order, starts, g_cand, gscale, grad_table, bucket, member, static, grad_weight, grad_bias,
-                [blocks.v, blocks.p, blocks.vd, blocks.warps, blocks.registers],
+                [blocks.v, blocks.p, blocks.vd, blocks.warps, blocks.grad_registers],
             )
             if ctx.num_head:
                 # Head ids are distinct: index_add_ adds each row once, deterministically. A per-token scale goes on
