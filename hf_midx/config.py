@@ -159,7 +159,7 @@ class MidxConfig:
             "kernels on CUDA with Triton and per-query negatives, eager PyTorch elsewhere. 'fused': "
             "always the kernels (a ValueError where they cannot run); 'eager': always PyTorch. Same loss and "
             "gradients from the same draws, within float rounding. On a GPU the kernels' speed is projected, not "
-            "measured (3.6-7.0x faster than the exact loss's FLOP floor, docs/gpu_cost_model.md): 'eager' is the safe "
+            "measured (3.9-8.0x faster than the exact loss's FLOP floor, docs/gpu_cost_model.md): 'eager' is the safe "
             "setting there until a GPU has timed them."
         },
     )

@@ -68,8 +68,8 @@ def test_the_launch_list_is_the_real_steps_trace():
     names = [op["op"] for op in projected["ops"]]
     assert names == counter.names
     assert projected["launches"] == len(counter.names)
-    # the fused path: the draw (generator, buckets), the loss (forward, grad_hidden, grad_weight)
-    assert sum(n.startswith("hf_midx.") for n in names) == 5
+    # the fused path: the draw (generator, buckets), the loss (forward, grad_hidden, grad_weight), the table (2)
+    assert sum(n.startswith("hf_midx.") for n in names) == 7
     gemm = sum(op["flops"] for op in projected["ops"] if op["impl"].startswith("gemm"))
     assert gemm == flops.get_total_flops() > 0
     assert {op["part"] for op in projected["ops"]} >= {"draw", "candidate loss", "tail"}

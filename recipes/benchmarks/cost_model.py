@@ -389,6 +389,21 @@ def _triton_cost(name: str, a: dict) -> tuple[int, int, int, str]:
     if name == "hf_midx.counter_rand":
         n = a["out"].numel()
         return _unique_bytes(_tensors(a)), 0, 0, f"{n:,} uniforms hashed in registers (SplitMix64), written once"
+    if name == "hf_midx.bucket_partials":
+        static = a["ints"][3]
+        entries = a["index"].shape[0] // (2 if static else 1)  # with a static part each class is listed twice
+        d = a["rows"].shape[1]
+        # One program per (chunk, 128 dims): each drawn class's row read once for both sums (the static weight at
+        # its twin entry), an fma per weight and feature, the (STRIDE n, D) float32 partials written once.
+        rows = entries * d * a["rows"].element_size()
+        small = _unique_bytes([a["index"], a["offsets"], a["weights"], a["partials"]])
+        note = f"reads {entries:,} rows of D = {d} once ({'member and static' if static else 'member'} sums)"
+        return rows + small, 0, 2 * (1 + static) * entries * d, note
+    if name == "hf_midx.bucket_sums":
+        b, d = a["table"].shape
+        # Every partial read once (a bucket's by its row's program, the static ones by row B's), the table written.
+        return _unique_bytes([a["partials"], a["chunk_offsets"], a["table"]]), 0, a["partials"].numel(), (
+            f"{a['partials'].shape[0]:,} chunk partials into {b:,} rows")
     return _unique_bytes(_tensors(a)), 0, 0, "unmodelled Triton op: the bytes of its arguments only"
 
 

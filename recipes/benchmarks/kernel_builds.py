@@ -1,8 +1,8 @@
 """The fused path's Triton kernels built for every GPU users train on, without a GPU (issue 51, item 3).
 
 Each launch of the default fused path (``FusedCandidateLoss``'s forward and backward, the three kernels of
-``hf_midx/losses/kernels/``, and the MIDX draw's two: the counter generator and the bucket draw) is captured at its real launch configuration, then built by Triton's own compiler and
-its bundled ptxas for each target, and the cubin's resources are read by the bundled ``cuobjdump``: registers a
+``hf_midx/losses/kernels/``, the tail's bucket table's two, and the MIDX draw's two: the counter generator and the
+bucket draw) is captured at its real launch configuration, then built by Triton's own compiler and its bundled ptxas for each target, and the cubin's resources are read by the bundled ``cuobjdump``: registers a
 thread, stack and local (spilled) bytes, shared memory a program, and the occupancy these allow on that target.
 
 The capture runs the real launch code on the CPU under a stand-in Triton driver (``triton.runtime.driver

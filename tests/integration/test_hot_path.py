@@ -218,19 +218,20 @@ class GraphRecorder:
         return aot_autograd(fw_compiler=forward, bw_compiler=lambda fx, _: make_boxed_func(fx))(gm, example_inputs)
 
 
-def check_head_step_is_one_capturable_graph(kernels="auto", num_classes=2000, dim=32, tokens=48, steps=6, exact=True):
+def check_head_step_is_one_capturable_graph(kernels="auto", num_classes=2000, dim=32, tokens=48, steps=6, exact=True,
+                                            **config):
     """The default head's step (bf16 weight) under ``torch.compile(fullgraph=True)``, ``steps`` times: one graph
     from the first call on (no recompile; fullgraph turns a graph break into an error), the eager step's
     losses and gradients bit for bit from the same generator state, the per-step state (the generator's
     counter, the step data's call counts) advanced in place at static addresses, and neither a host sync nor
     a device-less factory call in the step. Returns the mutated inputs.
     ``exact=False``: losses and gradients close, not equal (the interpreted fused kernels pick smaller blocks
-    in eager mode than while traced, and so sum in another order)."""
+    in eager mode than while traced, and so sum in another order). ``config``: other ``MidxConfig`` fields."""
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
     counts = torch.randint(1, 1000, (num_classes,), generator=g).double()
     linear = torch.nn.Linear(dim, num_classes, bias=False).to(torch.bfloat16)
-    head = MidxLMHead(linear, MidxConfig(kernels=kernels), class_counts=counts)
+    head = MidxLMHead(linear, MidxConfig(kernels=kernels, **config), class_counts=counts)
     assert head.exact_ids is not None and head.config.tail_gradient == "auto"  # the default head, in full
     hidden = torch.randn(tokens, dim, generator=g, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.multinomial(counts.float(), tokens, replacement=True, generator=g)

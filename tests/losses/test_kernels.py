@@ -426,6 +426,45 @@ def test_counter_rand_is_the_eager_stream(dtype):
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("static", [True, False], ids=["static", "buckets-only"])
+def test_fused_bucket_table_is_the_eager_table(monkeypatch, dtype, static):
+    """The tail's bucket table in two launches (each chunk's rows read once, float32 partials, each bucket its own
+    chunks, row B every chunk's static part) against the eager embedding_bag table and the float64 product S @ W:
+    chunks cut small, so buckets span several chunks and padding chunks follow; empty buckets; a strided weight."""
+    from hf_midx.losses.kernels.table import fused_bucket_table
+    from hf_midx.losses.tail_gradient import bucket_table
+    from hf_midx.samplers import factors as factors_module
+
+    monkeypatch.setattr(factors_module, "CHUNK", 16)
+    g = torch.Generator().manual_seed(4)
+    v, d, b = 1000, 37, 12
+    bucket = torch.randint(b - 2, (v,), generator=g)  # buckets b - 2 and b - 1 stay empty
+    bucket[:300] = 0  # a bucket of 19 chunks
+    member = torch.rand(v, generator=g) * (torch.rand(v, generator=g) > 0.2)
+    weights = torch.rand(v, generator=g) / v if static else None
+    fixed = factors_module.proposal_factors_fixed(bucket, member, weights, b)
+    layout = fixed[3]
+    assert layout.chunks[1].shape[0] == (2 if static else 1) * (b + v // 16)  # padding chunks at the end
+    factors = factors_module.ProposalFactors(None, *fixed)
+    wide = torch.randn(v, d + 5, generator=g)
+    weight = wide[:, :d].to(dtype)  # a row-major slice: rows read through their stride
+    got = fused_bucket_table(factors, weight)
+    dense = torch.zeros(b + 1, v, dtype=torch.float64)
+    dense[bucket, torch.arange(v)] = member.double()
+    if static:
+        dense[b] = weights.double()
+    want = dense @ weight.double()
+    eager = bucket_table(factors, weight)
+    assert got.dtype == torch.float32 and got.shape == (b + 1, d)
+    assert torch.all(got[b - 2 : b] == 0) and (static or torch.all(got[b] == 0))
+    tol = 1e-5 if dtype == torch.float32 else 1e-6  # float32 sums of the same bfloat16 rows: no wider error
+    err, eager_err = (got.double() - want).abs().max(), (eager.double() - want).abs().max()
+    print(f"\n{dtype}, static {static}: max |error| against float64: fused {err:.2e}, eager {eager_err:.2e}")
+    assert err <= tol * want.abs().max() + 1e-6 and err <= eager_err + 1e-6
+
+
+@interpreted
 @pytest.mark.parametrize("options", [{}, {"last_stage": "frequency", "mix_weight": 0.1}], ids=["uniform", "mixture"])
 def test_fused_draw_is_the_eager_draw(options):
     """The MIDX draw with kernels="fused" (the generator and the bucket draw in Triton) against the eager one from the
@@ -586,7 +625,8 @@ class OpCounter(TorchDispatchMode):
 _FREE = {"view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "expand", "alias", "slice", "select",
          "as_strided", "detach", "empty", "empty_like", "empty_strided", "_to_copy", "reshape",
          # the torch.library ops that wrap the Triton launches, which are counted as launches
-         "candidate_forward", "candidate_grad_hidden", "candidate_grad_weight"}
+         "candidate_forward", "candidate_grad_hidden", "candidate_grad_weight", "midx_draw", "counter_rand",
+         "bucket_partials", "bucket_sums"}
 
 
 def launched_kernels(monkeypatch) -> list[str]:

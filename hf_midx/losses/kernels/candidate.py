@@ -26,7 +26,8 @@ The fused path is three Triton kernels and a few library calls:
   forward    the exact head's logits, one GEMM (hidden @ weight[H].T); then one kernel per block of
              tokens: logits, logsumexp, loss, gradient w.r.t. every candidate and head logit; with the
              proposal's factors (the expected tail gradient), the weight's (B + 1, D) bucket table too
-             (:func:`hf_midx.losses.tail_gradient.bucket_table`), an output whose gradient comes back here;
+             (:func:`hf_midx.losses.kernels.table.fused_bucket_table`: two launches), an output whose gradient comes
+             back here;
   backward   grad_hidden: one GEMM for the head, one kernel for the candidates (each row written once);
              grad_weight: the T R (t, r) pairs sorted by class (``torch.sort``; the forward stores a pair
              of zero gradient as class V, past every run: ignored tokens, and labels in the head, whose
@@ -50,6 +51,7 @@ from ..tail_gradient import bucket_rows, bucket_table
 
 # Importing launch registers the kernels' launches as torch.ops.hf_midx custom ops.
 from .launch import _cdiv, _pow2, triton_available, triton_interpreting
+from .table import fused_bucket_table
 
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("auto", "fused", "eager")
@@ -59,8 +61,8 @@ BACKENDS = ("auto", "fused", "eager")
 class Blocks:
     """Tile sizes of the fused kernels (powers of two; tokens ``t``, dims ``d``, head columns ``h``; for the
     weight gradient, classes ``v`` per program, pairs ``p`` of each class per step and dims ``vd`` per tile),
-    warps per program, and the registers a thread of the forward and weight-gradient kernels may use (ptxas's
-    ``maxnreg``, ignored by the interpreter)."""
+    warps per program, and the registers a thread of the forward kernel (``registers``) and of the weight-gradient
+    kernel (``grad_registers``) may use (ptxas's ``maxnreg``, ignored by the interpreter)."""
 
     t: int
     d: int
@@ -74,6 +76,11 @@ class Blocks:
     # the weight gradient on sm_80); at most 80 it takes 78-80 and spills none, 3 programs an SM
     # (recipes/benchmarks/results/kernel-builds/, not timed on a GPU).
     registers: int = 80
+    # The weight gradient's cap: Triton 3.8 (torch 2.14's CUDA wheels pin it) fills 80 and spills 24 B of stack a
+    # thread on sm_80 to sm_89 with the tail's table; at most 96 it takes 96 there, 83 on sm_90, and spills none.
+    # Triton 3.9 then takes 83-96 (80 without a spill at a cap of 80): 2 programs an SM instead of 3 on either.
+    # A spill-free build on the toolchains users get is the rule here; neither was timed on a GPU.
+    grad_registers: int = 96
 
     @classmethod
     def choose(cls, num_tokens: int, dim: int, rows: int, interpreted: bool) -> "Blocks":
@@ -167,7 +174,8 @@ class FusedCandidateLoss(torch.autograd.Function):
         if factors is None:
             return out, share
         # The table's gradient is spread back over the classes inside the weight-gradient kernel (the backward).
-        table = bucket_table(factors, weight)
+        # A static proposal's one row (B = 0) is a GEMV; a bucketed one is read once in two launches.
+        table = bucket_table(factors, weight) if factors.layout.chunks is None else fused_bucket_table(factors, weight)
         if not ctx.needs_input_grad[1]:
             ctx.mark_non_differentiable(table)  # a frozen weight: the expected tail skips the table's gradient
         return out, share, table
@@ -202,7 +210,7 @@ class FusedCandidateLoss(torch.autograd.Function):
                 grad_table = bucket = member = static = None
             torch.ops.hf_midx.candidate_grad_weight(
                 hidden, order, starts, g_cand, gscale, grad_table, bucket, member, static, grad_weight, grad_bias,
-                [blocks.v, blocks.p, blocks.vd, blocks.warps, blocks.registers],
+                [blocks.v, blocks.p, blocks.vd, blocks.warps, blocks.grad_registers],
             )
             if ctx.num_head:
                 # Head ids are distinct: index_add_ adds each row once, deterministically. A per-token scale goes on

@@ -1,4 +1,6 @@
-"""The three Triton launches of :class:`~hf_midx.losses.kernels.FusedCandidateLoss` as ``torch.library`` custom ops.
+"""The Triton launches of the fused path as ``torch.library`` custom ops: the three of
+:class:`~hf_midx.losses.kernels.FusedCandidateLoss`, the MIDX draw's and the random stream's, and the tail's
+bucket table's two.
 
 ``torch.compile`` does not trace into a custom op: it records one call with the declared mutations and
 runs the launch as is. So the fused path traces as one graph (no graph break at the kernel module's
@@ -198,5 +200,44 @@ def counter_rand(state: Tensor, out: Tensor, ints: list[int]) -> None:
 
 
 @counter_rand.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{_LIB}::bucket_partials", mutates_args=("partials",))
+def bucket_partials(
+    rows: Tensor, index: Tensor, offsets: Tensor, weights: Tensor, partials: Tensor, ints: list[int]
+) -> None:
+    """Each chunk's weighted row sums (:func:`hf_midx.losses.kernels.table.fused_bucket_table`, its first launch);
+    ints = [BLOCK_J, BLOCK_D, warps, static]."""
+    block_j, block_d, warps, static = ints
+    num_chunks = offsets.shape[0] // (2 if static else 1)
+    dim = rows.shape[1]
+    if num_chunks:
+        _kernels_module("_table_triton").bucket_partials_kernel[(num_chunks, _cdiv(dim, block_d))](
+            rows, index, offsets, weights, partials, index.shape[0], num_chunks, dim, rows.stride(0),
+            STATIC=bool(static), BLOCK_J=block_j, BLOCK_D=block_d, num_warps=warps,
+        )
+
+
+@bucket_partials.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{_LIB}::bucket_sums", mutates_args=("table",))
+def bucket_sums(partials: Tensor, chunk_offsets: Tensor, table: Tensor, ints: list[int]) -> None:
+    """The (B + 1, D) table from the chunk partials (:func:`hf_midx.losses.kernels.table.fused_bucket_table`, its
+    second launch); ints = [BLOCK_C, BLOCK_D, warps, static]."""
+    block_c, block_d, warps, static = ints
+    rows, dim = table.shape
+    num_chunks = partials.shape[0] // (2 if static else 1)
+    _kernels_module("_table_triton").bucket_sums_kernel[(rows, _cdiv(dim, block_d))](
+        partials, chunk_offsets, table, rows - 1, num_chunks, dim,
+        STATIC=bool(static), BLOCK_C=block_c, BLOCK_D=block_d, num_warps=warps,
+    )
+
+
+@bucket_sums.register_fake
 def _(*args, **kwargs) -> None:
     return None
