@@ -32,6 +32,19 @@ sys.path[1:1] = [os.path.join(_TESTS, d) for d in sorted(os.listdir(_TESTS))
 ALPHA = 1e-4
 
 
+@pytest.fixture(autouse=True)
+def _same_environment():
+    """Each test starts from the environment the session started with. transformers 4.x's TrainingArguments
+    writes its precision into os.environ (ACCELERATE_MIXED_PRECISION, read by every later Accelerator and child
+    process): a bf16 SFTConfig (TRL's default) made the tests after it train and evaluate under bf16 autocast and
+    DeepSpeed's children refuse their config."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 # ---------------------------------------------------------------------------------------- data
 def clustered(
     num_classes: int = 1000,

@@ -25,7 +25,8 @@ from transformers.utils import ModelOutput
 
 #: transformers 4.57 to 5.10.0 count ``num_items_in_batch`` of ``prediction_step`` over the unshifted labels, one
 #: token a row more than the causal loss sums (an eval_loss x (S - 1) / S, silently, for every Trainer); 5.10.1
-#: counts ``labels[..., 1:]``. On those releases the binding takes the mean over its shifted tokens in evaluation.
+#: counts ``labels[..., 1:]``. On those releases the binding takes the row's first labels off the count in
+#: evaluation (:func:`shifted_eval_count`).
 UNSHIFTED_EVAL_COUNT = Version(transformers.__version__) < Version("5.10.1")
 
 _CAUSAL_LM_LOSS_TYPE = "ForCausalLM"
@@ -250,7 +251,10 @@ class HostBinding:
         call = self._loss_signature.bind(*args, **kwargs)
         if not head.training and UNSHIFTED_EVAL_COUNT and call.arguments.get("shift_labels") is None:
             if call.arguments.get("num_items_in_batch") is not None:  # counted over the unshifted labels
-                call.arguments["num_items_in_batch"] = None  # the mean over the shifted tokens, sampled or full
+                call.arguments["num_items_in_batch"] = shifted_eval_count(
+                    call.arguments["labels"], call.arguments["num_items_in_batch"],
+                    call.arguments.get("ignore_index", -100),
+                )
         if hidden is None:
             if head.training and not self._warned_unhooked:
                 self._warned_unhooked = True
@@ -284,10 +288,29 @@ class HostBinding:
         return per_token.sum() / (count.to(per_token.device) if torch.is_tensor(count) else count)
 
 
+def shifted_eval_count(labels: torch.Tensor, num_items: torch.Tensor | int, ignore_index: int) -> torch.Tensor:
+    """The count of ``labels[..., 1:]`` that ``num_items``, a Trainer's evaluation count over the unshifted (B, S)
+    int64 ``labels`` (:data:`UNSHIFTED_EVAL_COUNT`), stands for: a scalar int64 tensor on the labels' device.
+
+    That count is this process's own, or the sum over the processes (``average_tokens_across_devices``, the
+    default, which also multiplies the loss by their number); the unshifted count exceeds the shifted one by the
+    rows whose first label is not ignored, so those are taken off, summed over the processes where the count is
+    theirs (it differs from this process's). Every process evaluates each batch, so each enters the sum.
+    """
+    dist = torch.distributed
+    first = (labels[..., 0] != ignore_index).sum()
+    num_items = torch.as_tensor(num_items, device=labels.device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = first.clone()
+        dist.all_reduce(everyone)
+        first = torch.where(num_items == (labels != ignore_index).sum(), first, everyone)
+    return num_items - first
+
+
 def uses_causal_lm_loss(host: nn.Module) -> bool:
     """True where ``host`` computes its loss with transformers' ``ForCausalLMLoss`` (through its ``loss_type``)
     or with a loss function set on the instance (kept for eval mode; the binding replaces it in training)."""
     return _own_loss_function(host) is not None or host.loss_function is _loss_registry()[_CAUSAL_LM_LOSS_TYPE]
 
 
-__all__ = ["HostBinding", "MidxFusedOutput", "uses_causal_lm_loss"]
+__all__ = ["HostBinding", "MidxFusedOutput", "shifted_eval_count", "uses_causal_lm_loss"]

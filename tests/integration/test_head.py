@@ -24,6 +24,7 @@ from _models import ARCHITECTURES, VOCAB, clone_model, markov_batches, tiny_conf
 
 import hf_midx  # noqa: E402
 from hf_midx import MidxConfig, MidxLMHead  # noqa: E402
+from hf_midx.integration.binding import UNSHIFTED_EVAL_COUNT, shifted_eval_count  # noqa: E402
 from hf_midx.integration.head import find_head  # noqa: E402
 
 SMALL = dict(num_samples=24, codebook_size=8, kmeans_iters=5)
@@ -185,13 +186,24 @@ def test_num_items_in_batch_normalisation():
             head.sampler.generator.set_state(state)
             summed = model(input_ids=ids, labels=labels, num_items_in_batch=num_items).loss
             assert torch.allclose(summed, mean * count / 7, rtol=1e-5)
-        # Eval and exact mode follow ForCausalLMLoss exactly.
+        # Eval and exact mode follow ForCausalLMLoss exactly, but for the count: on the transformers whose Trainer
+        # counts num_items_in_batch of evaluation over the unshifted labels, the rows' first labels come off it.
         model.eval()
-        want = reference(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(7)).loss
+        count = torch.tensor(7 - int(UNSHIFTED_EVAL_COUNT) * int((labels[:, 0] != -100).sum()))
+        want = reference(input_ids=ids, labels=labels, num_items_in_batch=count).loss
         assert _rel(model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(7)).loss, want) < 1e-5
         with head.exact_loss_only():
             got = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(7)).loss
         assert _rel(got, want) < 1e-5
+
+
+def test_the_shifted_eval_count_takes_the_rows_first_labels_off():
+    """The binding's reading of an evaluation count over unshifted labels (transformers 4.57-5.10.0): one process,
+    so the count is this process's whether or not it equals its own labels' count."""
+    labels = torch.tensor([[-100, 3, 4], [5, 6, -100]])
+    assert int(shifted_eval_count(labels, torch.tensor(4), -100)) == 3
+    assert int(shifted_eval_count(labels, 9, -100)) == 8
+    assert int(shifted_eval_count(labels.masked_fill(labels == -100, 0), 6, 0)) == 5
 
 
 def test_shift_labels_and_ignore_index_match_for_causal_lm_loss():
