@@ -25,7 +25,7 @@ from transformers.utils import ModelOutput
 
 #: transformers 4.57 to 5.10.0 count ``num_items_in_batch`` of ``prediction_step`` over the unshifted labels, one
 #: token a row more than the causal loss sums (an eval_loss x (S - 1) / S, silently, for every Trainer); 5.10.1
-#: counts ``labels[..., 1:]``. On those releases the binding takes the row's first labels off the count in
+#: counts ``labels[..., 1:]``. On those releases the binding takes the rows' first labels off the count in
 #: evaluation (:func:`shifted_eval_count`).
 UNSHIFTED_EVAL_COUNT = Version(transformers.__version__) < Version("5.10.1")
 
@@ -295,7 +295,7 @@ def shifted_eval_count(labels: torch.Tensor, num_items: torch.Tensor | int, igno
     That count is this process's own, or the sum over the processes (``average_tokens_across_devices``, the
     default, which also multiplies the loss by their number); the unshifted count exceeds the shifted one by the
     rows whose first label is not ignored, so those are taken off, summed over the processes where the count is
-    theirs (it differs from this process's). Every process evaluates each batch, so each enters the sum.
+    theirs (it differs from this process's): a collective, which every process enters as each evaluates every batch.
     """
     dist = torch.distributed
     first = (labels[..., 0] != ignore_index).sum()
