@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import _cdiv, _pow2, triton_interpreting
+from .launch import _pow2, triton_interpreting
 
 
 def fused_bucket_table(factors, rows: torch.Tensor) -> torch.Tensor:
