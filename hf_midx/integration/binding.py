@@ -33,7 +33,8 @@ _CAUSAL_LM_LOSS_TYPE = "ForCausalLM"
 
 
 # transformers exports neither its loss registry nor a way to drop a loss function set on one instance: these
-# two functions are hf_midx's only contact with those names, and tests/integration/test_head.py checks that both still hold.
+# two functions are hf_midx's only contact with those names, and tests/integration/test_head.py checks that both
+# still hold.
 def _loss_registry() -> dict:
     """transformers' ``LOSS_MAPPING``, loss type -> loss function: the ``loss_function`` property's default reads
     it, and so does the Trainer to decide that a model's loss shifts the labels

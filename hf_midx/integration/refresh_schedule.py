@@ -19,7 +19,8 @@ rebuild at other steps; the share of time stays within the budget times that fac
 Why a fixed interval and not a rebuild "when the index has gone stale" (the proposal's ESS against its
 value after the last build): the budget already bounds the interval from below, so a staleness test could
 only delay rebuilds, which saves at most the budget (a few % of the time) and can only lose quality. The
-ESS before and after each rebuild is logged with it, the evidence that the interval was not too long.
+proposal's ESS and KL(P‖Q) in the logging steps' entries are the evidence that the interval was not too long;
+a rebuild itself measures nothing (its seconds are all the budget sees).
 
 The state that fixes the next rebuild (the interval, :meth:`RefreshSchedule.state`, and the step of the last
 rebuild, which the callback saves anyway) goes into every checkpoint, so a resumed run rebuilds at the steps of an uninterrupted one.

@@ -214,6 +214,28 @@ def test_logged_coverage_is_of_the_softmax_the_model_trains(arch, tmp_path):
     assert logged["midx/kl_pq"] != pytest.approx(float(plain["kl_pq"]), rel=1e-3)
 
 
+def test_a_scheduled_rebuild_measures_nothing_the_budget_does_not_see(tmp_path, monkeypatch):
+    """A rebuild's timed seconds are what "auto" budgets: the callback runs no proposal diagnostics (O(S V))
+    at a rebuild, only at logging steps."""
+    model = hf_midx.wrap(tiny_model("llama", vocab_size=VOCAB), num_samples=16, codebook_size=8, kmeans_iters=5,
+                         refresh_every_steps=2)  # fmt: skip
+    head = find_head(model)
+    steps = []
+    real = head.proposal_diagnostics
+
+    class StepOf(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            self.step = state.global_step
+
+    where = StepOf()
+    monkeypatch.setattr(head, "proposal_diagnostics", lambda *a, **k: steps.append(where.step) or real(*a, **k))
+    args = training_args(tmp_path, max_steps=6, logging_steps=3)
+    trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(32)),
+                      callbacks=[where, MidxCallback()])  # fmt: skip
+    trainer.train()
+    assert steps == [3, 6]  # the two logging steps; none at the rebuilds after steps 2 and 4 (and 6)
+
+
 def test_refresh_index_rebuilds_from_the_current_weight():
     model = hf_midx.wrap(tiny_model("llama"), num_samples=24, codebook_size=8, kmeans_iters=5)
     head = find_head(model)
