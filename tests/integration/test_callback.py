@@ -220,18 +220,11 @@ def test_a_scheduled_rebuild_measures_nothing_the_budget_does_not_see(tmp_path, 
     model = hf_midx.wrap(tiny_model("llama", vocab_size=VOCAB), num_samples=16, codebook_size=8, kmeans_iters=5,
                          refresh_every_steps=2)  # fmt: skip
     head = find_head(model)
-    steps = []
-    real = head.proposal_diagnostics
-
-    class StepOf(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            self.step = state.global_step
-
-    where = StepOf()
-    monkeypatch.setattr(head, "proposal_diagnostics", lambda *a, **k: steps.append(where.step) or real(*a, **k))
+    steps, real = [], head.proposal_diagnostics
     args = training_args(tmp_path, max_steps=6, logging_steps=3)
-    trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(32)),
-                      callbacks=[where, MidxCallback()])  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(markov_rows(32)), callbacks=[MidxCallback()])
+    monkeypatch.setattr(head, "proposal_diagnostics",
+                        lambda *a, **k: steps.append(trainer.state.global_step) or real(*a, **k))  # fmt: skip
     trainer.train()
     assert steps == [3, 6]  # the two logging steps; none at the rebuilds after steps 2 and 4 (and 6)
 
