@@ -17,6 +17,7 @@ import os
 import textwrap
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 from . import defaults
@@ -28,6 +29,9 @@ from .version import __version__
 
 #: File name of a saved config inside a model or checkpoint directory.
 CONFIG_NAME = "midx_config.json"
+#: The keys of ``midx_config.json`` that are no field: the version stamp, and what the ``"auto"`` fields became
+#: in training (:meth:`MidxConfig.save_pretrained`'s ``chosen``). Loading leaves both out without a warning.
+_STAMPS = ("hf_midx_version", "chosen")
 
 #: ``exact_head`` is at most V / EXACT_HEAD_FRACTION classes (see :meth:`MidxConfig.for_vocabulary`).
 EXACT_HEAD_FRACTION = 8
@@ -413,7 +417,7 @@ class MidxConfig:
         if not isinstance(data, dict):
             raise ValueError(f"A MidxConfig is built from a dict, got {type(data).__name__}.")
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in data if k not in names and k != "hf_midx_version")
+        unknown = sorted(str(k) for k in data if k not in names and k not in _STAMPS)
         if unknown:
             warnings.warn(
                 f"Ignoring unknown MidxConfig key(s) {unknown} (written by another hf-midx version?).",
@@ -422,16 +426,26 @@ class MidxConfig:
             )
         return cls(**{k: v for k, v in data.items() if k in names})
 
-    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
+    def save_pretrained(self, save_directory: str | os.PathLike, *, chosen: Mapping[str, int] | None = None) -> str:
         """Write ``save_directory/midx_config.json`` atomically (temporary file, then rename).
 
-        Creates the directory if needed. Returns the path of the written file.
+        ``chosen``: what ``"auto"`` fields became in training, e.g. ``{"refresh_every_steps": 50}`` (the interval
+        the refresh schedule chose last), written under the key ``"chosen"`` for the reader; :meth:`from_dict`
+        leaves it out, so that a run from the saved config chooses again on its own machine. Creates the
+        directory if needed. Returns the path of the written file.
         """
         save_directory = os.fspath(save_directory)
         if os.path.isfile(save_directory):
             raise ValueError(f"save_pretrained needs a directory, but {save_directory!r} is a file.")
+        auto = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) == "auto"]
+        wrong = sorted(set(chosen or {}) - set(auto))
+        if wrong or not all(is_number(v) and float(v).is_integer() for v in (chosen or {}).values()):
+            raise ValueError(f"chosen maps fields set to 'auto' (here {auto}) to the integers training chose for "
+                             f"them, got {dict(chosen)!r}.")
         os.makedirs(save_directory, exist_ok=True)
         data = {**self.to_dict(), "hf_midx_version": __version__}
+        if chosen:
+            data["chosen"] = {name: int(value) for name, value in chosen.items()}
 
         def write(tmp: str) -> None:
             with open(tmp, "w", encoding="utf-8") as f:

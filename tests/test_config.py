@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import json
 import os
+import warnings
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -255,6 +256,26 @@ def test_json_file_round_trip(tmp_path):
     # overwriting replaces the file
     MidxConfig(num_samples=9).save_pretrained(tmp_path / "run")
     assert MidxConfig.from_pretrained(tmp_path / "run").num_samples == 9
+
+
+def test_saved_config_records_what_auto_became_and_loads_as_auto(tmp_path):
+    """``chosen`` (what training made of the "auto" fields) is written beside the fields, for the reader; loading
+    leaves it out: a run from the saved config chooses again."""
+    config = MidxConfig(num_samples=7)
+    config.save_pretrained(tmp_path, chosen={"refresh_every_steps": 50})
+    data = json.loads((tmp_path / CONFIG_NAME).read_text())
+    assert data["chosen"] == {"refresh_every_steps": 50} and data["refresh_every_steps"] == "auto"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert MidxConfig.from_pretrained(tmp_path) == config
+    config.save_pretrained(tmp_path)
+    assert "chosen" not in json.loads((tmp_path / CONFIG_NAME).read_text())
+    for chosen in ({"refresh_every_steps": 2.5}, {"num_samples": 3}, {"no_such_field": 1}):
+        with pytest.raises(ValueError, match="chosen maps fields set to 'auto'"):
+            config.save_pretrained(tmp_path / "bad", chosen=chosen)
+    with pytest.raises(ValueError, match="chosen maps"):
+        MidxConfig(refresh_every_steps=100).save_pretrained(tmp_path / "bad", chosen={"refresh_every_steps": 50})
+    assert not (tmp_path / "bad").exists()  # refused before anything is written
 
 
 def test_save_pretrained_refuses_a_file(tmp_path):

@@ -264,7 +264,7 @@ class MidxCallback(TrainerCallback):
     def save(self, folder: str, args) -> None:
         """Write the MIDX state of this rank into ``folder`` (every rank calls it)."""
         save_head_state(folder, self.head, self.codebooks, last_refresh_step=self.last_refresh_step, args=args,
-                        schedule=None if self.schedule is None else self.schedule.state())
+                        schedule=None if self.schedule is None else self.schedule.state(), chosen=self._chosen())
         self._saved_folder = os.path.abspath(folder)
 
     def check_finite(self, state) -> None:
@@ -298,6 +298,11 @@ class MidxCallback(TrainerCallback):
             self.check_finite(state)  # NaN in the weight or the queries: say where it came from
             raise
         self._pending["midx/codebook_loss"], self._pending["midx/codebook_kl"] = out["loss"], out["kl"]
+
+    def _chosen(self) -> dict[str, int]:
+        """What the config's ``"auto"`` fields became in training (``exact_head`` is a number from the wrap on); a
+        frozen head is never refreshed, so its schedule chose nothing that is used."""
+        return {} if self.schedule is None or self.head.frozen else self.schedule.chosen()
 
     def _chose(self, message: str) -> None:
         """An interval chosen by the ``"auto"`` schedule: in the log, and in the next log entry."""
@@ -334,7 +339,7 @@ class MidxCallback(TrainerCallback):
                 self.save(output_dir, trainer.args)  # before the Trainer's files, so that a pushed checkpoint has it
             save_model(output_dir, _internal_call=_internal_call)
             if head is not None and trainer.args.should_save:
-                head.config.save_pretrained(output_dir)
+                head.config.save_pretrained(output_dir, chosen=self._chosen())
                 if not _internal_call:
                     write_model_card(trainer, output_dir, head.config, num_classes=head.num_classes)
 

@@ -48,9 +48,10 @@ def load_head_state(saved: SavedState, head, codebooks, *, seed: int) -> None:
 
 
 def save_head_state(folder: str, head, codebooks, *, last_refresh_step: int, args,
-                    schedule: dict[str, str] | None = None) -> None:
+                    schedule: dict[str, str] | None = None, chosen: dict[str, int] | None = None) -> None:
     """Write this rank's MIDX state into ``folder`` (every rank calls it; ``args``: the TrainingArguments;
-    ``codebooks``: as in :func:`load_head_state`; ``schedule``: the refresh schedule's state, strings)."""
+    ``codebooks``: as in :func:`load_head_state`; ``schedule``: the refresh schedule's state, strings;
+    ``chosen``: what the config's ``"auto"`` fields became, for ``midx_config.json``)."""
     sampler = head.sampler_state()
     save_state(
         folder,
@@ -62,6 +63,7 @@ def save_head_state(folder: str, head, codebooks, *, last_refresh_step: int, arg
         exact_ids=head.exact_ids,
         extra=None if codebooks is None else codebooks.tensors(),
         extra_metadata={**(schedule or {}), **({} if codebooks is None else codebooks.metadata())},
+        chosen=chosen,
         rank=args.process_index,
         world_size=args.world_size,
         write_shared=args.should_save,

@@ -129,6 +129,11 @@ class RefreshSchedule:
         elapsed = self._clock() - self._started
         return self.refresh_seconds / elapsed if elapsed > 0 else 0.0
 
+    def chosen(self) -> dict[str, int]:
+        """What ``"auto"`` became, for ``midx_config.json``: ``{"refresh_every_steps": N}``; empty before the first
+        choice and for a fixed schedule."""
+        return {"refresh_every_steps": self.interval} if self.auto and self.interval else {}
+
     def state(self) -> dict[str, str]:
         """What a checkpoint keeps (strings, for the safetensors metadata)."""
         return {"refresh_interval": str(self.interval)}  # the step of the last rebuild is saved beside it

@@ -11,7 +11,7 @@ into place:
   sampler, V, D, K, quantizer, codebook mode), the last refresh step and the learned codebooks' metadata.
 * ``midx_rng_state.safetensors`` (one process) or ``midx_rng_state_<rank>.safetensors`` (one per
   process): the sampler generator of that rank, since every rank draws its own negatives.
-* ``midx_config.json``: the :class:`~hf_midx.MidxConfig`.
+* ``midx_config.json``: the :class:`~hf_midx.MidxConfig`, and what its ``"auto"`` fields became (``"chosen"``).
 
 This module takes what it saves (tensors, strings, the config) and knows nothing of the head:
 :class:`hf_midx.MidxCallback` hands them over. :func:`read_state` checks the facts, the sampler's
@@ -118,6 +118,7 @@ def save_state(
     exact_ids: torch.Tensor | None = None,
     extra: Mapping[str, torch.Tensor] | None = None,
     extra_metadata: Mapping[str, str] | None = None,
+    chosen: Mapping[str, int] | None = None,
     rank: int = 0,
     world_size: int = 1,
     write_shared: bool = True,
@@ -127,7 +128,7 @@ def save_state(
     Every process calls it: each writes its ``generator_state`` ((2,) int64); the process with
     ``write_shared`` also writes ``midx_state.safetensors`` (``sampler`` tensors without the generator,
     ``exact_ids`` (H,) int64, ``extra`` tensors, ``facts`` and ``extra_metadata``) and ``midx_config.json``
-    (``config``, the :class:`~hf_midx.MidxConfig`).
+    (``config``, the :class:`~hf_midx.MidxConfig`, with ``chosen``: what its ``"auto"`` fields became).
     """
     os.makedirs(folder, exist_ok=True)
     if write_shared:
@@ -143,7 +144,7 @@ def save_state(
             **(extra_metadata or {}),
         }
         _save(tensors, os.path.join(folder, MIDX_STATE_NAME), metadata)
-        config.save_pretrained(folder)
+        config.save_pretrained(folder, chosen=chosen)
     _save(
         {GENERATOR_KEY: generator_state},
         rng_file(folder, rank, world_size),

@@ -4,8 +4,10 @@ output_dir); install(); the warning of a Trainer without the callback; refresh_i
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -83,6 +85,12 @@ def test_plain_trainer_refreshes_logs_checkpoints_and_resumes_identically(tmp_pa
     names = set(os.listdir(checkpoint))
     assert {MIDX_STATE_NAME, MIDX_RNG_STATE_NAME, "midx_config.json", "model.safetensors"} <= names
     assert not [n for n in names if n.endswith(".tmp")]
+    # midx_config.json says what "auto" became; loading it keeps "auto" (a run chooses again), without a warning.
+    saved = json.loads((checkpoint / "midx_config.json").read_text())
+    assert saved.get("chosen") == ({"refresh_every_steps": 3} if schedule is AUTO else None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert MidxConfig.from_pretrained(checkpoint).refresh_every_steps == saved["refresh_every_steps"]
 
     # A checkpoint outside the resumed run's output_dir: the callback is told where it is.
     # (With "auto", the resumed run rebuilds after step 6, 3 steps after the saved rebuild, not 3 after resuming.
@@ -373,8 +381,9 @@ def test_a_callback_not_installed_says_the_reporters_may_miss_its_keys(tmp_path)
 
 def test_plain_trainer_save_model_writes_midx_config_and_card(tmp_path):
     """Issue 39: a plain Trainer with MidxCallback.install saves midx_config.json and the MIDX card with the model,
-    into output_dir and into any folder given to save_model; checkpoints get no card."""
-    trainer, _ = _plain_trainer(tmp_path / "run", max_steps=4)
+    into output_dir and into any folder given to save_model; checkpoints get no card. Both say the interval the
+    "auto" refresh chose."""
+    trainer, _ = _plain_trainer(tmp_path / "run", max_steps=4, schedule=AUTO)
     trainer.train()
     assert not os.path.exists(tmp_path / "run" / "checkpoint-4" / "README.md")
     for folder in (None, tmp_path / "elsewhere"):
@@ -382,8 +391,9 @@ def test_plain_trainer_save_model_writes_midx_config_and_card(tmp_path):
         folder = folder or tmp_path / "run"
         assert {"midx_config.json", "README.md", "model.safetensors"} <= set(os.listdir(folder)), folder
         assert MidxConfig.from_pretrained(str(folder)).codebook_size == 8
+        assert json.loads((folder / "midx_config.json").read_text())["chosen"] == {"refresh_every_steps": 3}
         card = (folder / "README.md").read_text()
-        assert "| Sampler | `midx-rq` |" in card and "trained from scratch" in card
+        assert "| Sampler | `midx-rq` |" in card and "trained from scratch" in card and "(last chosen: 3)" in card
     again = MidxCallback.install(trainer)  # a second install wraps save_model once
     assert again is next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MidxCallback))
     assert not getattr(trainer.save_model.__wrapped__, "midx_wrapped", False)
