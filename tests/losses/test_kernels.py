@@ -546,9 +546,10 @@ def test_validation_and_backend_choice(monkeypatch):
 
 @compiled
 def test_without_triton_the_fused_backend_says_so(monkeypatch):
-    from hf_midx.losses.kernels import candidate
+    from hf_midx.losses.kernels import candidate, launch
 
-    monkeypatch.setattr(candidate, "triton_available", lambda: False)
+    for module in (candidate, launch):  # "auto"'s choice, and check_fused's refusal
+        monkeypatch.setattr(module, "triton_available", lambda: False)
     case = make_case(8, 50, 4, 3, 0, bias=False)
     args = (case.hidden, case.weight, case.labels, case.ids, case.log_q, case.log_q_pos)
     with pytest.raises(ValueError, match="needs Triton"):

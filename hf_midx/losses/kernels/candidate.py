@@ -50,7 +50,7 @@ import torch
 from ..tail_gradient import bucket_rows, bucket_table
 
 # Importing launch registers the kernels' launches as torch.ops.hf_midx custom ops.
-from .launch import _cdiv, _pow2, triton_available, triton_interpreting
+from .launch import cdiv, check_fused, pow2, triton_available, triton_interpreting
 from .table import fused_bucket_table
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -99,11 +99,11 @@ class Blocks:
         needed ~180 (one program an SM) and an int64 walk 255 with spills. 128 divides D at the four LLM
         shapes (640 to 4,096)."""
         budget = 1 << (19 if interpreted else 13)
-        d = min(_pow2(dim), 128 if interpreted else 32)
-        t = max(1, min(_pow2(num_tokens), budget // (_pow2(rows) * d)))
+        d = min(pow2(dim), 128 if interpreted else 32)
+        t = max(1, min(pow2(num_tokens), budget // (pow2(rows) * d)))
         t = 1 << (t.bit_length() - 1)  # a power of two below the budget
         if interpreted:  # within the interpreter's 2^20 elements a tile
-            return cls(t=t, d=d, h=max(16, min(1024, (1 << 20) // t)), v=1024, p=8, vd=min(_pow2(dim), 128))
+            return cls(t=t, d=d, h=max(16, min(1024, (1 << 20) // t)), v=1024, p=8, vd=min(pow2(dim), 128))
         return cls(t=t, d=d, h=128, v=8, p=4, vd=128)
 
 
@@ -138,7 +138,7 @@ class FusedCandidateLoss(torch.autograd.Function):
             g_head = None
         else:
             head_ids = w_head = head_raw = g_head = None
-        programs = _cdiv(num_tokens, blocks.t)
+        programs = cdiv(num_tokens, blocks.t)
         per_token = torch.empty(num_tokens, device=device, dtype=f32)
         stats = torch.empty((programs, 2), device=device, dtype=f32)  # per block: loss sum, valid tokens
         rows = torch.empty((num_tokens, rows_per_token), device=device, dtype=torch.int32)
@@ -147,7 +147,7 @@ class FusedCandidateLoss(torch.autograd.Function):
         torch.ops.hf_midx.candidate_forward(
             hidden, weight, bias, labels, ids, log_q, log_q_pos, head_ids, head_raw, g_head,
             per_token, stats, rows, g_cand, share,
-            [int(ignore_index), blocks.t, blocks.d, min(blocks.h, _pow2(num_head)), blocks.warps, blocks.registers],
+            [int(ignore_index), blocks.t, blocks.d, min(blocks.h, pow2(num_head)), blocks.warps, blocks.registers],
             [float(logit_scale), float(logit_softcap or 1.0)],
             # The paper's estimator with the hits dropped is the value estimate already.
             [logit_softcap is not None, corrected, drop_hits, exact_value and (corrected or not drop_hits)],
@@ -374,7 +374,7 @@ def candidate_loss(
         backend = "fused" if hidden.is_cuda and (torch.compiler.is_compiling() or triton_available()) else "eager"
     if backend == "fused":
         if not torch.compiler.is_compiling():
-            _check_fused(hidden)
+            check_fused(hidden)
         return FusedCandidateLoss.apply(
             hidden, weight, bias, labels, ids.contiguous(), log_q.float().contiguous(),
             None if not corrected_positive else log_q_pos.float().contiguous(),
@@ -388,16 +388,6 @@ def candidate_loss(
         drop_hits=remove_accidental_hits, exact_value=exact_value, reduction=reduction, tail_control=tail_control,
         factors=factors,
     )
-
-
-def _check_fused(hidden):
-    if not triton_available():
-        raise ValueError("backend='fused' needs Triton (pip install triton, Linux x86_64); use backend='eager'.")
-    if not hidden.is_cuda and not triton_interpreting():
-        raise ValueError(
-            "backend='fused' runs on CUDA tensors, or on the CPU under TRITON_INTERPRET=1 (slow, for tests); "
-            "use backend='eager' on the CPU."
-        )
 
 
 def _validate(hidden, weight, labels, ids, log_q, log_q_pos, bias, head_ids, corrected, reduction, backend):

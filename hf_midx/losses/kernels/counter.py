@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import launch  # noqa: F401 (registers torch.ops.hf_midx.counter_rand)
-from .candidate import _check_fused
+from .launch import check_fused
 
 
 def counter_rand(state: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -31,7 +31,7 @@ def counter_rand(state: torch.Tensor, n: int, dtype: torch.dtype = torch.float32
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}.")
     if not torch.compiler.is_compiling():
-        _check_fused(state)
+        check_fused(state)
     out = torch.empty(n, device=state.device, dtype=dtype)
     # A custom op (launch.py): torch.compile records one call, and a traced step (FakeTensorMode) sees one launch.
     torch.ops.hf_midx.counter_rand(state, out, [1024])

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .candidate import _check_fused
-from .launch import triton_interpreting
+from .launch import check_fused, triton_interpreting
 
 #: The largest K * K the kernel takes: a token's bucket logits, exponentials and running sums stay in registers
 #: (BLOCK_T x K * K floats each, over 4 warps). K = 64 (4,096 buckets) fits; a larger codebook keeps the eager draw.
@@ -62,7 +61,7 @@ def midx_bucket_draw(
     if share is not None and not (share.dtype == torch.float32 and tuple(share.shape) == (k * k,)):
         raise ValueError(f"share must be ({k * k},) float32 or None, got {tuple(share.shape)}.")
     if not torch.compiler.is_compiling():
-        _check_fused(scores)
+        check_fused(scores)
     device, m = scores.device, u.shape[1]
     bucket = torch.empty((num_tokens, m), device=device, dtype=torch.int64)
     log_z = torch.empty((num_tokens, 1), device=device, dtype=torch.float32)

@@ -59,12 +59,24 @@ def _kernels():
     return _kernels_module("_candidate_triton")
 
 
-def _pow2(n: int) -> int:
+def check_fused(tensor) -> None:
+    """ValueError unless ``backend='fused'`` can run on ``tensor``: Triton installed, and the tensor on CUDA (or the
+    CPU under ``TRITON_INTERPRET=1``)."""
+    if not triton_available():
+        raise ValueError("backend='fused' needs Triton (pip install triton, Linux x86_64); use backend='eager'.")
+    if not tensor.is_cuda and not triton_interpreting():
+        raise ValueError(
+            "backend='fused' runs on CUDA tensors, or on the CPU under TRITON_INTERPRET=1 (slow, for tests); "
+            "use backend='eager' on the CPU."
+        )
+
+
+def pow2(n: int) -> int:
     """The power of two at or above n (1 for n <= 1): a Triton block size."""
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     """ceil(a / b): programs of a launch grid."""
     return -(-a // b)
 
@@ -91,7 +103,7 @@ def candidate_forward(
         g_head = head_raw if g_head is None else g_head
     else:
         head_ids = head_raw = g_head = labels  # never read: every loop over H is empty
-    _kernels().candidate_forward_kernel[(_cdiv(num_tokens, block_t),)](
+    _kernels().candidate_forward_kernel[(cdiv(num_tokens, block_t),)](
         hidden, weight, bias if bias is not None else hidden, labels, ids, log_q,
         log_q_pos if log_q_pos is not None else log_q, head_ids, head_raw,
         per_token, stats, rows, g_cand, g_head, share if share is not None else per_token,
@@ -100,7 +112,7 @@ def candidate_forward(
         ignore_index, floats[0], floats[1],
         HAS_BIAS=bias is not None, SOFTCAP=softcap, CORRECTED=corrected, DROP_HITS=drop_hits,
         EXACT_VALUE=exact_value, TAIL_CONTROL=share is not None, SEARCH_STEPS=max(0, num_head).bit_length(),
-        BLOCK_T=block_t, BLOCK_R=_pow2(m + 1), BLOCK_D=block_d, BLOCK_H=block_h, num_warps=warps, maxnreg=registers,
+        BLOCK_T=block_t, BLOCK_R=pow2(m + 1), BLOCK_D=block_d, BLOCK_H=block_h, num_warps=warps, maxnreg=registers,
     )
 
 
@@ -117,12 +129,12 @@ def candidate_grad_hidden(
     block_t, block_d, warps = ints
     num_tokens, dim = out.shape
     r = rows.shape[1]
-    _kernels().candidate_grad_hidden_kernel[(_cdiv(num_tokens, block_t), _cdiv(dim, block_d))](
+    _kernels().candidate_grad_hidden_kernel[(cdiv(num_tokens, block_t), cdiv(dim, block_d))](
         weight, rows, g_cand, gscale, base if base is not None else out, out,
         num_tokens, dim, r, weight.shape[0],
         weight.stride(0), gscale.stride(0) if gscale.dim() else 0, base.stride(0) if base is not None else 0,
         out.stride(0),
-        HAS_BASE=base is not None, BLOCK_T=block_t, BLOCK_R=_pow2(r), BLOCK_D=block_d, num_warps=warps,
+        HAS_BASE=base is not None, BLOCK_T=block_t, BLOCK_R=pow2(r), BLOCK_D=block_d, num_warps=warps,
     )
 
 
@@ -148,7 +160,7 @@ def candidate_grad_weight(
             f"tokens of D = {dim} or R = {g_cand.shape[1]} is too many; split the tokens into chunks."
         )
     has_table = grad_table is not None
-    _kernels().candidate_grad_weight_kernel[(_cdiv(num_classes, block_v),)](
+    _kernels().candidate_grad_weight_kernel[(cdiv(num_classes, block_v),)](
         hidden, order, starts, g_cand, gscale,
         grad_table if has_table else g_cand, bucket if has_table else starts, member if has_table else g_cand,
         static if static is not None and has_table else g_cand,
@@ -174,10 +186,10 @@ def midx_draw(
     """The MIDX bucket draw (:func:`hf_midx.losses.kernels.draw.midx_bucket_draw`); ints = [K, BLOCK_T, warps]."""
     k, block_t, warps = ints
     num_tokens, m = bucket.shape
-    _kernels_module("_draw_triton").midx_draw_kernel[(_cdiv(num_tokens, block_t),)](
+    _kernels_module("_draw_triton").midx_draw_kernel[(cdiv(num_tokens, block_t),)](
         scores, log_mass, u, share if share is not None else log_mass, bucket, log_z,
         probs if probs is not None else log_z, num_tokens, m, scores.stride(0),
-        K=k, HAS_SHARE=share is not None, WRITE_PROBS=probs is not None, BLOCK_T=block_t, BLOCK_B=_pow2(k * k),
+        K=k, HAS_SHARE=share is not None, WRITE_PROBS=probs is not None, BLOCK_T=block_t, BLOCK_B=pow2(k * k),
         num_warps=warps,
     )
 
@@ -195,7 +207,7 @@ def counter_rand(state: Tensor, out: Tensor, ints: list[int]) -> None:
     n = out.numel()
     f64 = out.dtype == torch.float64
     if n:
-        _kernels_module("_counter_triton").counter_rand_kernel[(_cdiv(n, block),)](state, out, n, F64=f64, BLOCK=block)
+        _kernels_module("_counter_triton").counter_rand_kernel[(cdiv(n, block),)](state, out, n, F64=f64, BLOCK=block)
     state[1:].add_(n if f64 else (n + 1) // 2)
 
 
@@ -214,7 +226,7 @@ def bucket_partials(
     num_chunks = offsets.shape[0] // (2 if static else 1)
     dim = rows.shape[1]
     if num_chunks:
-        _kernels_module("_table_triton").bucket_partials_kernel[(num_chunks, _cdiv(dim, block_d))](
+        _kernels_module("_table_triton").bucket_partials_kernel[(num_chunks, cdiv(dim, block_d))](
             rows, index, offsets, weights, partials, index.shape[0], num_chunks, dim, rows.stride(0),
             STATIC=bool(static), BLOCK_J=block_j, BLOCK_D=block_d, num_warps=warps,
         )
@@ -232,7 +244,7 @@ def bucket_sums(partials: Tensor, chunk_offsets: Tensor, table: Tensor, ints: li
     block_c, block_d, warps, static = ints
     rows, dim = table.shape
     num_chunks = partials.shape[0] // (2 if static else 1)
-    _kernels_module("_table_triton").bucket_sums_kernel[(rows, _cdiv(dim, block_d))](
+    _kernels_module("_table_triton").bucket_sums_kernel[(rows, cdiv(dim, block_d))](
         partials, chunk_offsets, table, rows - 1, num_chunks, dim,
         STATIC=bool(static), BLOCK_C=block_c, BLOCK_D=block_d, num_warps=warps,
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import _pow2, triton_interpreting
+from .launch import pow2, triton_interpreting
 
 
 def fused_bucket_table(factors, rows: torch.Tensor) -> torch.Tensor:
@@ -56,9 +56,9 @@ def launch_options(dim: int, interpreted: bool) -> list[int]:
     the same occupancy). Not timed on a GPU. The interpreter runs a program at a time in Python, so there the tiles
     are as large as the problem allows."""
     if interpreted:
-        block_d = min(_pow2(dim), 1024)
+        block_d = min(pow2(dim), 1024)
         return [max(1, min(512, (1 << 16) // block_d)), block_d, 4]
-    return [32, min(_pow2(dim), 128), 8]
+    return [32, min(pow2(dim), 128), 8]
 
 
 __all__ = ["fused_bucket_table", "launch_options"]
