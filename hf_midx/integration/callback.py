@@ -189,7 +189,8 @@ class MidxCallback(TrainerCallback):
         if head is None:
             return
         self._nonfinite.mark(head.step_data, state.global_step, state.epoch)
-        chosen = self.schedule.choose(state.global_step)
+        # A frozen head is never rebuilt: "auto" chooses (and logs) no interval for it.
+        chosen = None if head.frozen else self.schedule.choose(state.global_step)
         if chosen is not None:
             self._chose(chosen)
         reason = self.schedule.due(state.global_step)
@@ -300,9 +301,8 @@ class MidxCallback(TrainerCallback):
         self._pending["midx/codebook_loss"], self._pending["midx/codebook_kl"] = out["loss"], out["kl"]
 
     def _chosen(self) -> dict[str, int]:
-        """What the config's ``"auto"`` fields became in training (``exact_head`` is a number from the wrap on); a
-        frozen head is never refreshed, so its schedule chose nothing that is used."""
-        return {} if self.schedule is None or self.head.frozen else self.schedule.chosen()
+        """What the config's ``"auto"`` fields became in training (``exact_head`` is a number from the wrap on)."""
+        return {} if self.schedule is None else self.schedule.chosen()
 
     def _chose(self, message: str) -> None:
         """An interval chosen by the ``"auto"`` schedule: in the log, and in the next log entry."""

@@ -4,6 +4,7 @@ evaluate exactly; the Trainer's label_smoothing_factor and MidxConfig(z_loss=...
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -65,7 +66,8 @@ def _lora_model(**config):
     # A larger init than the default 0.02: a frozen random head then gives logits the adapters can move.
     model = tiny_model("llama", vocab_size=VOCAB, initializer_range=0.2)
     lora = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
-    hf_midx.wrap(lora, MidxConfig(num_samples=24, codebook_size=8, kmeans_iters=5, refresh_every_steps=2, **config))
+    config = {"num_samples": 24, "codebook_size": 8, "kmeans_iters": 5, "refresh_every_steps": 2, **config}
+    hf_midx.wrap(lora, MidxConfig(**config))
     return lora
 
 
@@ -112,6 +114,24 @@ def test_lora_with_a_plain_trainer_trains_keeps_the_index_saves_the_adapter_and_
           f"Trainer {metrics['eval_loss']:.4f}")
     assert metrics["eval_loss"] == pytest.approx(exact, rel=1e-5)
     assert exact < before
+
+
+def test_a_frozen_head_under_the_auto_schedule_chooses_no_interval(tmp_path, caplog):
+    """The frozen head is never rebuilt, so refresh_every_steps='auto' says no interval: nothing in the log, the
+    log entries, midx_config.json or the card contradicts the one 'never refreshed' line."""
+    lora = _lora_model(refresh_every_steps="auto", refresh_min_steps=2, refresh_max_steps=2)
+    args = training_args(tmp_path, max_steps=6, logging_steps=2, learning_rate=3e-2)
+    trainer = Trainer(model=lora, args=args, train_dataset=RowsDataset(markov_rows(64)))
+    MidxCallback.install(trainer)
+    with caplog.at_level(logging.INFO, logger="hf_midx"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if "is frozen" in m]) == 1 and not [m for m in said if "index rebuilt" in m]
+    assert not [m for m in said if "refresh_every_steps='auto'" in m]
+    trainer.save_model(str(tmp_path / "adapter"))
+    assert not [e for e in trainer.state.log_history if "midx/refresh_interval" in e]
+    assert "chosen" not in json.loads((tmp_path / "adapter" / "midx_config.json").read_text())
+    assert "last chosen" not in (tmp_path / "adapter" / "README.md").read_text()
 
 
 def test_lora_with_trls_sft_trainer_trains_keeps_the_index_and_saves_the_adapter(tmp_path, caplog):
