@@ -16,8 +16,8 @@ import math
 import os
 import textwrap
 import warnings
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import defaults
