@@ -42,6 +42,9 @@ DEFAULT_NUM_SAMPLES = {"per-query": 20, "shared": 1024}
 #: How the MIDX codebooks are obtained: k-means on the head weight, or learned with the paper's objective.
 CODEBOOK_MODES = ("kmeans", "learned")
 
+#: How a training call that asks for per-token log-probabilities (TRL's ``fused_lm_head=True``) is served.
+LOG_PROB_MODES = ("auto", "exact", "sampled")
+
 # Sampler options that are config fields of their own; setting them twice would be ambiguous. Each is
 # passed to build_sampler only for the samplers whose option table lists it (ignored by the others).
 _OPTIONS_WITH_FIELDS = ("kmeans_iters", "kmeans_backend", "last_stage", "mix_weight", "mix_static")
@@ -165,6 +168,15 @@ class MidxConfig:
             "gradients from the same draws, within float rounding. On a GPU the kernels' speed is projected, not "
             "measured (3.9-8.0x faster than the exact loss's FLOP floor, docs/gpu_cost_model.md): 'eager' is the safe "
             "setting there until a GPU has timed them."
+        },
+    )
+    log_probs: str = field(
+        default="auto",
+        metadata={
+            "help": f"Per-token log-probs with gradients that a trainer asks for (TRL's fused_lm_head=True); one of "
+            f"{LOG_PROB_MODES}. 'exact': over all V classes (TRL's tiled head, the unwrapped model's values). "
+            "'sampled': the sampled softmax's estimate, for a plain next-token NLL only. 'auto': sampled where the "
+            "trainer's loss_type is 'nll' (SFTTrainer), else exact. Calls without gradients are always exact."
         },
     )
     z_loss: float = field(
@@ -296,6 +308,8 @@ class MidxConfig:
                     f"({type(value).__name__}); pass a plain Python value, e.g. float(x)."
                 )
         check_sampler_options(self.sampler, self.sampler_options)
+        if self.log_probs not in LOG_PROB_MODES:
+            raise ValueError(f"log_probs must be one of {LOG_PROB_MODES}, got {self.log_probs!r}.")
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}.")
         if self.exact_head != "auto":

@@ -147,7 +147,10 @@ def test_at_most_seven_floors_from_the_top():
 # z_loss, label_smoothing (55) and the refresh budget and bounds (54), each with its help and checks.
 # samplers/base.py 450 -> 465 and samplers/midx.py 450 -> 480: has_fused_draw, the hook by which the loss offers a
 # sampler its Triton draw, and MIDX's fused branch of its draw with the log q it reads from the codeword scores (51).
-MAX_LINES = {"hf_midx.config": 530, "hf_midx.integration.head": 285, "hf_midx.integration.callback": 370,
+# config.py 530 -> 545: log_probs, how a trainer's log-prob calls are answered, with its help and check (67);
+# callback.py 370 -> 380: it hands the trainer's log-prob decision to the binding and rebuilds no index that no call
+# draws from (67).
+MAX_LINES = {"hf_midx.config": 545, "hf_midx.integration.head": 285, "hf_midx.integration.callback": 380,
              "hf_midx.samplers.base": 465, "hf_midx.samplers.midx": 480}
 
 

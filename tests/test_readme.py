@@ -109,7 +109,9 @@ def test_first_command_installs_cpu_torch_before_the_package_and_the_first_run_c
 
 def test_readme_is_short_leads_with_the_decision_and_its_links_resolve():
     lines = readme().splitlines()
-    assert len(lines) <= 245, len(lines)  # 220 -> 240: issue 55's config rows and frozen-head line, issue 56's traced sources, Install block and midx/* rows, issue 53's Requirements line
+    # 220 -> 240: issue 55's config rows and frozen-head line, issue 56's traced sources, Install block and midx/* rows,
+    # issue 53's Requirements line; 245 -> 280: issue 67's table of TRL trainers and what each gets.
+    assert len(lines) <= 280, len(lines)
     decision = next(i for i, line in enumerate(lines) if line.startswith("## When to use it"))
     assert decision < 40 and "Cut Cross-Entropy" in "\n".join(lines[decision : decision + 20])
     assert not re.search(r"\b(sessions?|rounds?)\b", readme()), "process words belong to no user's README"

@@ -102,9 +102,11 @@ class HostBinding:
       semantics. **In training, ``outputs.logits`` is that placeholder**;
     * inside ``head.exact_loss_only()`` with labels: the same, with the exact full-softmax loss;
     * training mode with labels and ``fused_lm_head=True`` (TRL's trainers, after
-      ``trl.trainer.utils.add_fused_lm_head``): the sampled loss, returned as :class:`MidxFusedOutput`
-      (``log_probs`` of the sampled softmax, ``entropy`` / ``is_top1`` NaN). Outside training mode
-      TRL's own exact, tiled computation runs unchanged.
+      ``trl.trainer.utils.add_fused_lm_head``), where the loss is the plain next-token NLL
+      (:mod:`hf_midx.integration.log_prob_calls` decides; SFTTrainer): the sampled loss, returned as
+      :class:`MidxFusedOutput` (``log_probs`` of the sampled softmax, ``entropy`` / ``is_top1`` NaN);
+    * every other ``fused_lm_head=True`` call (DPO, KTO, GRPO, RLOO; any call without gradients; evaluation):
+      nothing changes, TRL's own exact, tiled computation over all V classes runs as for the unwrapped model.
 
     The forward hook (``always_call=True``) ends the call. A Trainer's training call (it passes
     ``num_items_in_batch``) to a head that no :class:`~hf_midx.MidxCallback` schedules warns once.
@@ -134,6 +136,10 @@ class HostBinding:
         self._hidden: torch.Tensor | None = None  # (B, S, D): the head's input in the current call
         self._fused: dict[str, Any] | None = None  # set for a training call with fused_lm_head=True
         self._warned_unhooked = self._warned_unscheduled = self._warned_full_training = False
+        self._warned_undecided = False
+        #: Whether a training run's log-prob calls with gradients are sampled (True) or exact (False), as
+        #: :class:`~hf_midx.MidxCallback` decided from the trainer's arguments; None: undecided (exact, warned).
+        self.log_prob_decision: bool | None = None
 
     def attach(self) -> None:
         """Register the hooks, replace the host's ``loss_function`` and declare its loss type."""
@@ -199,6 +205,8 @@ class HostBinding:
             )
         if labels is None or not (head.exact_only or head.training):
             return None
+        if fused and not head.exact_only and not self._samples_log_probs():
+            return None  # TRL's own fused forward: exact log-probs over all V classes, in tiles
         self._capturing, self._exact = True, head.exact_only
         if self._exact:
             return None
@@ -221,6 +229,29 @@ class HostBinding:
                 kwargs["labels"] = labels
             return args, kwargs
         return None
+
+    def _samples_log_probs(self) -> bool:
+        """True where this training call's per-token log-probabilities (``fused_lm_head=True``) may come from the
+        sampled softmax: a call with gradients, under ``log_probs="sampled"``, or under "auto" where the
+        callback read a plain next-token NLL from the trainer's arguments (:attr:`log_prob_decision`). Calls
+        without gradients ask for values only (reference, old-policy and metric log-probs): always exact."""
+        mode = self.head.config.log_probs
+        if not torch.is_grad_enabled() or mode == "exact":
+            return False
+        if mode == "sampled":
+            return True
+        if self.log_prob_decision is None and not self._warned_undecided:
+            self._warned_undecided = True
+            warnings.warn(
+                "hf_midx: a training call asked for per-token log-probabilities with gradients (fused_lm_head=True, "
+                "as TRL's trainers do) and nothing says its loss is the plain next-token NLL, so they are exact over "
+                "all V classes (TRL's tiled head), at the unwrapped model's cost. MidxCallback.install(trainer) reads "
+                "the trainer's loss_type and keeps the sampled softmax for SFTTrainer's loss_type='nll'; "
+                "MidxConfig(log_probs='sampled') forces it (for a plain NLL only).",
+                UserWarning,
+                stacklevel=3,
+            )
+        return bool(self.log_prob_decision)
 
     def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         fused = self._fused

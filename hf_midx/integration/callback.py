@@ -36,6 +36,7 @@ from .distributed import (broadcast_sampler, full_head_weight, local_device, mea
                           refuse_data_parallel, sampler_device)  # fmt: skip
 from .head import MidxLMHead, find_head
 from .learned_codebooks import CodebookTraining
+from .log_prob_calls import decide_log_probs
 from .log_entries import FullSoftmaxMetrics, add_perplexity
 from .model_card import write_model_card
 from .nonfinite import ADVICE, MidxNonFiniteError, NonFiniteCheck
@@ -92,6 +93,7 @@ class MidxCallback(TrainerCallback):
         self._nonfinite = NonFiniteCheck()
         self._saved_folder: str | None = None
         self._full_softmax = FullSoftmaxMetrics()
+        self._trainer_name: str | None = None
 
     @classmethod
     def install(cls, trainer, *, resume_from_checkpoint: str | os.PathLike | None = None) -> "MidxCallback":
@@ -119,6 +121,7 @@ class MidxCallback(TrainerCallback):
             # smooths its sampled loss instead (MidxConfig.label_smoothing, set from the factor at train start).
             trainer.label_smoother = None
         callback.installed = True
+        callback._trainer_name = type(trainer).__name__
         return callback
 
     # ------------------------------------------------------------------ events
@@ -130,6 +133,10 @@ class MidxCallback(TrainerCallback):
                 "creating the Trainer (for model_init, wrap the model inside it)."
             )
         refuse_data_parallel(args)
+        decision = decide_log_probs(head.config.log_probs, args, self._trainer_name)  # may refuse: before any step
+        if head.binding is not None:
+            head.binding.log_prob_decision = decision.sampled
+        logger.info(decision.reason)
         if args.label_smoothing_factor:
             self._take_label_smoothing(head, float(args.label_smoothing_factor))
         self.head, config = head, head.config
@@ -175,12 +182,14 @@ class MidxCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.head is not None:  # the host binding warns again of a training call without a schedule
             self.head.step_data.scheduled = False
+            if self.head.binding is not None:
+                self.head.binding.log_prob_decision = None
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # A new epoch after a finished one: the Trainer sets epoch = e + 1.0 exactly at the end of epoch e
         # (a run resumed in the middle of an epoch starts with a fractional epoch and does not refresh).
         if (self.head is not None and self.head.config.refresh_every_epoch and state.global_step > 0
-                and not self.head.frozen and state.epoch is not None and float(state.epoch).is_integer()
+                and not self._idle() and state.epoch is not None and float(state.epoch).is_integer()
                 and state.global_step != self.last_refresh_step):  # fmt: skip
             self.refresh(state, reason="the start of an epoch (refresh_every_epoch)")
 
@@ -189,12 +198,13 @@ class MidxCallback(TrainerCallback):
         if head is None:
             return
         self._nonfinite.mark(head.step_data, state.global_step, state.epoch)
-        # A frozen head is never rebuilt: "auto" chooses (and logs) no interval for it.
-        chosen = None if head.frozen else self.schedule.choose(state.global_step)
+        # A frozen head, or one no call has sampled from, is never rebuilt: "auto" chooses (and logs) no interval.
+        idle = self._idle()
+        chosen = None if idle else self.schedule.choose(state.global_step)
         if chosen is not None:
             self._chose(chosen)
         reason = self.schedule.due(state.global_step)
-        refresh = reason is not None and not head.frozen
+        refresh = reason is not None and not idle
         if refresh or control.should_log or control.should_save or control.should_evaluate \
                 or control.should_training_stop or state.global_step >= state.max_steps:  # fmt: skip
             self.check_finite(state)
@@ -299,6 +309,11 @@ class MidxCallback(TrainerCallback):
             self.check_finite(state)  # NaN in the weight or the queries: say where it came from
             raise
         self._pending["midx/codebook_loss"], self._pending["midx/codebook_kl"] = out["loss"], out["kl"]
+
+    def _idle(self) -> bool:
+        """True where an index rebuild would serve nothing: the head is frozen (its weight never changes), or no
+        training call of this run has drawn from the sampler (e.g. DPO or GRPO, whose log-prob calls are exact)."""
+        return self.head.frozen or self.head.step_data.last_batch is None
 
     def _chosen(self) -> dict[str, int]:
         """What the config's ``"auto"`` fields became in training (``exact_head`` is a number from the wrap on)."""

@@ -1,5 +1,5 @@
-"""TRL: SFTTrainer asks the model for fused_lm_head=True outputs; the MIDX head must answer them from the
-sampled softmax in training (never the full softmax) and let TRL's exact path run in evaluation.
+"""TRL: SFTTrainer asks the model for fused_lm_head=True outputs for its plain next-token NLL; the MIDX head must
+answer them from the sampled softmax in training (never the full softmax) and let TRL's exact path run in evaluation.
 
 Offline: a word-level tokenizer built with ``tokenizers``, a pre-tokenized dataset, a tiny GPT-2.
 """
@@ -107,7 +107,9 @@ def test_sft_trainer_trains_through_the_sampler(tmp_path, recwarn):
 
 
 def test_fused_output_is_the_sampled_loss_in_training_and_exact_in_eval():
-    model = _wrapped()
+    """Under log_probs="sampled" (what "auto" makes of SFTTrainer's plain NLL; tests/integration/test_post_training.py
+    has the exact calls of the other trainers)."""
+    model = _wrapped(log_probs="sampled")
     reference = clone_model(model)  # a plain GPT-2 with the same weights
     for m in (model, reference):
         add_fused_lm_head(m, outputs=("log_probs", "entropy", "is_top1"))

@@ -1,0 +1,269 @@
+"""TRL's post-training trainers on a wrapped model compute what the unwrapped model computes.
+
+DPO, KTO, GRPO, RLOO, ORPO and CPO read per-token log-probabilities of the policy (and of a reference) as exact values:
+ratios, KL penalties and preference margins are built on them. A wrapped model answers those calls exactly
+(TRL's own tiled head over all V classes), so every run here logs, step for step, the numbers of the same run
+with the unwrapped model; with learning rate 0 they are also the known values (DPO's loss log 2, rewards 0, KL 0).
+SFTTrainer (the plain next-token NLL) and the plain Trainer keep the sampled softmax: the sampler draws at
+every step. Offline: a word-level tokenizer, tiny Llama / GPT-2 models saved to a temporary folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import warnings
+
+import pytest
+import torch
+from packaging.version import Version
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainingArguments  # noqa: E402
+from trl.trainer.utils import add_fused_lm_head  # noqa: E402
+
+from _models import tiny_model  # noqa: E402
+import hf_midx  # noqa: E402
+from hf_midx import MidxCallback, MidxConfig, MidxTrainer  # noqa: E402
+from hf_midx.integration.head import find_head  # noqa: E402
+
+V = 256
+# TRL < 1.16 launches its Triton log-prob kernel on CPU tensors wherever Triton is installed: its fused head (the
+# unwrapped model's too) cannot run on a CPU there, so neither can these trainers.
+TRL_FUSED_ON_CPU = Version(trl.__version__) >= Version("1.16") or importlib.util.find_spec("triton") is None
+needs_trl_fused = pytest.mark.skipif(not TRL_FUSED_ON_CPU, reason="TRL < 1.16's fused head does not run on a CPU "
+                                     "with Triton installed (unwrapped models neither)")
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    """Word-level: token i is the word "w<i>"; id 0 doubles as <eos> and padding."""
+    tok = Tokenizer(models.WordLevel(vocab={"<eos>": 0, **{f"w{i}": i for i in range(1, V)}}, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>", unk_token="<eos>")
+
+
+def _texts(n: int, words: int, seed: int) -> list[str]:
+    ids = torch.randint(1, V, (n, words), generator=torch.Generator().manual_seed(seed))
+    return [" ".join(f"w{i}" for i in row) for row in ids.tolist()]
+
+
+def _length_reward(completions, **kwargs) -> list[float]:
+    return [float(len(c)) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> str:
+    """A tiny Llama saved to disk: policy and reference load the same weights the same way (GRPO and RLOO load
+    their reference from the policy's ``name_or_path``)."""
+    folder = tmp_path_factory.mktemp("base")
+    model = tiny_model("llama", vocab_size=V, seed=0)
+    model.config.pad_token_id = 0
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def _train(kind: str, base_dir: str, out: str, *, wrapped: bool, lr: float, lora: bool = False):
+    """Three logged steps of ``kind`` from the saved model; returns (log_history, the head or None)."""
+    torch.manual_seed(0)  # LoRA's initialization: the same in both runs
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    if lora:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    if wrapped:
+        hf_midx.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=5))
+    common = dict(output_dir=out, max_steps=3, per_device_train_batch_size=4, learning_rate=lr, logging_steps=1,
+                  save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    pairs = datasets.Dataset.from_dict({"prompt": _texts(12, 5, 1), "chosen": _texts(12, 6, 2),
+                                        "rejected": _texts(12, 6, 3)})
+    prompts = datasets.Dataset.from_dict({"prompt": _texts(12, 5, 4)})
+    rl = dict(num_generations=2, max_completion_length=6, beta=0.1, generation_batch_size=4)
+    reference = None if lora else AutoModelForCausalLM.from_pretrained(base_dir)
+    if kind == "dpo":
+        trainer = trl.DPOTrainer(model=model, ref_model=reference, args=trl.DPOConfig(**common, max_length=32),
+                                 train_dataset=pairs, processing_class=_tokenizer())
+    elif kind == "kto":
+        data = datasets.Dataset.from_dict({"prompt": _texts(12, 5, 1), "completion": _texts(12, 6, 2),
+                                           "label": [i % 2 == 0 for i in range(12)]})
+        trainer = trl.KTOTrainer(model=model, ref_model=reference, args=trl.KTOConfig(**common, max_length=32),
+                                 train_dataset=data, processing_class=_tokenizer())
+    elif kind == "grpo":
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=_length_reward, args=trl.GRPOConfig(**common, **rl),
+                                  train_dataset=prompts, processing_class=_tokenizer())
+    elif kind == "rloo":
+        trainer = trl.RLOOTrainer(model=model, reward_funcs=_length_reward, args=trl.RLOOConfig(**common, **rl),
+                                  train_dataset=prompts, processing_class=_tokenizer())
+    elif kind == "orpo":  # ORPO and CPO read full logits (no labels): the plain logits path
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        trainer = ORPOTrainer(model=model, args=ORPOConfig(**common, max_length=32), train_dataset=pairs,
+                              processing_class=_tokenizer())
+    else:
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        trainer = CPOTrainer(model=model, args=CPOConfig(**common, max_length=32), train_dataset=pairs,
+                             processing_class=_tokenizer())
+    if wrapped:
+        MidxCallback.install(trainer)
+    trainer.train()
+    return trainer.state.log_history, find_head(model)
+
+
+@needs_trl_fused
+@pytest.mark.parametrize(
+    "kind, lr, lora",
+    [("dpo", 0.0, False), ("kto", 0.0, False), ("grpo", 0.0, False), ("dpo", 0.0, True),
+     ("dpo", 1e-3, False), ("grpo", 1e-3, False), ("rloo", 1e-3, False), ("orpo", 1e-3, False),
+     ("cpo", 1e-3, False)],
+)
+def test_post_training_logs_what_the_unwrapped_model_logs(tmp_path, base_dir, kind, lr, lora):
+    want, _ = _train(kind, base_dir, str(tmp_path / "plain"), wrapped=False, lr=lr, lora=lora)
+    got, head = _train(kind, base_dir, str(tmp_path / "wrapped"), wrapped=True, lr=lr, lora=lora)
+    steps = [e for e in want if "loss" in e]
+    assert len(steps) == 3 and len([e for e in got if "loss" in e]) == 3
+    tolerance = 1e-6 if lr == 0 else 1e-4
+    for expected, logged in zip(want, got):
+        for key, value in expected.items():
+            if key.startswith(("train_runtime", "train_samples", "train_steps", "step_time")) or key == "epoch":
+                continue
+            if isinstance(value, float) and math.isfinite(value):
+                assert logged[key] == pytest.approx(value, abs=tolerance), (kind, key, logged.get("step"))
+    assert head.sampled_calls == 0  # no log-prob came from the sampler
+    if lr == 0:
+        for entry in steps:  # the policy is the reference: the known values
+            if kind == "dpo":
+                assert entry["loss"] == pytest.approx(math.log(2), abs=1e-6)
+                assert entry["rewards/margins"] == pytest.approx(0, abs=1e-6)
+            if kind in ("dpo", "kto"):
+                assert entry["rewards/chosen"] == pytest.approx(0, abs=1e-6)
+                assert entry["rewards/rejected"] == pytest.approx(0, abs=1e-6)
+            if kind == "grpo":
+                assert entry["kl"] == pytest.approx(0, abs=1e-6)
+
+
+def _count_draws(sampler) -> list[int]:
+    """Counts the draws of ``sampler`` (its instance methods wrapped; a draw that calls another counts once): [draws]."""
+    count, depth = [0], [0]
+    for name in ("draw", "draw_scored", "draw_with_factors", "draw_shared", "draw_shared_scored"):
+        method = getattr(sampler, name)
+
+        def counted(*args, _method=method, **kwargs):
+            count[0] += depth[0] == 0
+            depth[0] += 1
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        setattr(sampler, name, counted)
+    return count
+
+
+@pytest.mark.parametrize("trainer_kind", ["sft", "plain"])
+def test_sft_and_the_plain_trainer_draw_from_the_sampler_every_step(tmp_path, trainer_kind):
+    model = tiny_model("gpt2", vocab_size=V, seed=0)
+    hf_midx.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=5, refresh_every_steps=0,
+                                   log_kl=False))  # the logged diagnostics draw too
+    head = find_head(model)
+    draws = _count_draws(head.sampler)
+    rows = torch.randint(1, V, (16, 17), generator=torch.Generator().manual_seed(0))
+    common = dict(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, save_strategy="no",
+                  report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1)
+    if trainer_kind == "sft":
+        data = datasets.Dataset.from_dict({"input_ids": rows.tolist()})
+        trainer = trl.SFTTrainer(model=model, args=trl.SFTConfig(**common, max_length=17), train_dataset=data,
+                                 processing_class=_tokenizer())
+        MidxCallback.install(trainer)
+    else:
+        data = [{"input_ids": r, "labels": r} for r in rows]
+        trainer = MidxTrainer(model=model, args=TrainingArguments(**common), train_dataset=data)
+    trainer.train()
+    assert draws[0] == 3 == head.sampled_calls  # one draw per training call, one call per step
+
+
+class _LargestTensor(torch.overrides.TorchFunctionMode):
+    """The largest number of elements of any tensor a torch function returns while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@needs_trl_fused
+def test_exact_log_probs_build_no_tokens_by_vocabulary_tensor():
+    """At V = 65,536 (two of TRL's 32,768-wide vocabulary tiles), a training call for exact log-probs and its
+    backward never hold a (tokens x V) tensor; an evaluation call for logits does (the watch can see one)."""
+    vocab, tokens = 65_536, 2 * 40
+    model = tiny_model("llama", vocab_size=vocab, seed=0)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    hf_midx.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=2, log_probs="exact"))
+    ids = torch.randint(0, vocab, (2, 41))
+    model.train()
+    with _LargestTensor() as watch:
+        out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+    assert out.log_probs.shape == (2, 40) and find_head(model).sampled_calls == 0
+    assert watch.largest < tokens * vocab
+    model.eval()
+    with _LargestTensor() as watch, torch.no_grad():
+        model(input_ids=ids)
+    assert watch.largest >= tokens * vocab
+
+
+@needs_trl_fused
+def test_undecided_log_prob_calls_are_exact_and_say_why_once():
+    """Without MidxCallback nothing says the loss is a plain NLL: TRL's exact values, one warning."""
+    model = tiny_model("llama", vocab_size=V, seed=0)  # no dropout: training-mode calls are deterministic
+    reference = tiny_model("llama", vocab_size=V, seed=0)
+    for m in (model, reference):
+        add_fused_lm_head(m, outputs=("log_probs", "entropy"))
+    hf_midx.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=5))
+    model.train(), reference.train()
+    ids = torch.randint(1, V, (2, 12), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [model(input_ids=ids, labels=ids, fused_lm_head=True) for _ in range(2)]
+    said = [w for w in caught if "nothing says its loss is the plain next-token NLL" in str(w.message)]
+    assert len(said) == 1
+    want = reference(input_ids=ids, labels=ids, fused_lm_head=True)
+    for out in got:
+        torch.testing.assert_close(out.log_probs, want.log_probs, rtol=0, atol=1e-6)
+        torch.testing.assert_close(out.entropy, want.entropy, rtol=0, atol=1e-6)
+    assert find_head(model).sampled_calls == 0
+
+
+def test_sampled_log_probs_for_a_preference_loss_are_refused_before_the_first_step(tmp_path):
+    model = tiny_model("gpt2", vocab_size=V, seed=0)
+    hf_midx.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=5, log_probs="sampled"))
+    pairs = datasets.Dataset.from_dict({"prompt": _texts(4, 5, 1), "chosen": _texts(4, 6, 2),
+                                        "rejected": _texts(4, 6, 3)})
+    args = trl.DPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to=[],
+                         use_cpu=True, disable_tqdm=True, max_length=32)
+    trainer = trl.DPOTrainer(model=model, ref_model=tiny_model("gpt2", vocab_size=V, seed=0), args=args,
+                             train_dataset=pairs, processing_class=_tokenizer())
+    MidxCallback.install(trainer)
+    head = find_head(model)
+    with pytest.raises(ValueError, match=r"log_probs='sampled'\) with DPOTrainer .*Use log_probs='auto'"):
+        trainer.train()
+    assert head.sampled_calls == 0 and trainer.state.global_step == 0
+
+
+def test_liger_fused_cross_entropy_is_refused_naming_the_fix(tmp_path):
+    """Liger's fused linear cross-entropy replaces the model's forward: the head would never run."""
+    from hf_midx.integration.log_prob_calls import decide_log_probs
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    args.use_liger_kernel = True  # set after construction: Liger itself is not installed here
+    with pytest.raises(ValueError, match="fused_linear_cross_entropy': False"):
+        decide_log_probs("auto", args, "Trainer")
+    args.liger_kernel_config = {"fused_linear_cross_entropy": False}
+    assert decide_log_probs("auto", args, "Trainer").sampled is False
