@@ -341,3 +341,39 @@ def test_short_runs_trains_scores_and_merges(tmp_path):
     assert rows[("zipf", "full")]["vs_full_pct"] == 0.0 and rows[("finetune", "default")]["vs_full_pct"] is not None
     assert "| finetune | 600 | 4 | default |" in (tmp_path / "merged" / "short_runs.md").read_text()
     assert (tmp_path / "merged" / "short_runs.png").stat().st_size > 0
+
+
+def _saved_word_model(folder: Path) -> Path:
+    """A tiny random GPT-2 with a word-level tokenizer of the shipped WikiText-2 sample, saved as the recipe saves."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from recipes import lm_data
+
+    tokenizer = lm_data.build_word_level_tokenizer(
+        lm_data.read_lines(REPO / "recipes" / "data" / "wikitext2_sample" / "train.txt"))
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=64, bos_token_id=1,
+                        eos_token_id=1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_loss_bias_and_exact_forward_write_their_figures(tmp_path):
+    model_dir = _saved_word_model(tmp_path / "model")
+    env = offline_env()
+    bias = subprocess.run([sys.executable, str(BENCH / "loss_bias.py"), "--model_dir", str(model_dir), "--draws", "3",
+                           "--output", str(tmp_path / "bias")], env=env, capture_output=True, text=True, timeout=300)
+    assert bias.returncode == 0, bias.stderr[-3000:]
+    result = json.loads((tmp_path / "bias" / "loss_bias.json").read_text())
+    assert len(result["differences"]) == 3 and result["vocab_size"] == json.loads(
+        (model_dir / "config.json").read_text())["vocab_size"]
+    assert "sampled - exact" in bias.stdout and (tmp_path / "bias" / "loss_bias.md").is_file()
+    forward = subprocess.run(
+        [sys.executable, str(BENCH / "exact_forward.py"), "--model_dir", str(model_dir), "--draws", "3", "--rows", "2",
+         "--vocab", "4096", "--dim", "32", "--tokens", "64", "--repeats", "1", "--output", str(tmp_path / "ef")],
+        env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert forward.returncode == 0, forward.stderr[-3000:]
+    result = json.loads((tmp_path / "ef" / "exact_forward.json").read_text())
+    for group in result["gradient"]["groups"].values():  # an untrained model: the draws still point the right way
+        assert 0.5 < group["cosine_mean"] <= 1.0 + 1e-6
+    assert len(result["head_time"]["seconds_min"]) == 3
