@@ -43,7 +43,7 @@ DEFAULT_NUM_SAMPLES = {"per-query": 20, "shared": 1024}
 CODEBOOK_MODES = ("kmeans", "learned")
 
 #: How a training call that asks for per-token log-probabilities (TRL's ``fused_lm_head=True``) is served.
-LOG_PROB_MODES = ("auto", "exact", "sampled")
+LOG_PROB_MODES = ("auto", "exact", "exact-forward", "sampled")
 
 # Sampler options that are config fields of their own; setting them twice would be ambiguous. Each is
 # passed to build_sampler only for the samplers whose option table lists it (ignored by the others).
@@ -175,8 +175,10 @@ class MidxConfig:
         metadata={
             "help": f"Per-token log-probs with gradients that a trainer asks for (TRL's fused_lm_head=True); one of "
             f"{LOG_PROB_MODES}. 'exact': over all V classes (TRL's tiled head, the unwrapped model's values). "
-            "'sampled': the sampled softmax's estimate, for a plain next-token NLL only. 'auto': sampled where the "
-            "trainer's loss_type is 'nll' (SFTTrainer), else exact. Calls without gradients are always exact."
+            "'exact-forward': the same values, the gradient estimated from the exact head and the draws (unbiased; "
+            "about half the head's time, with MidxCallback). 'sampled': the sampled softmax's estimate, for a plain "
+            "next-token NLL only. 'auto': sampled where the trainer's loss_type is 'nll' (SFTTrainer), else exact. "
+            "Calls without gradients are always exact."
         },
     )
     z_loss: float = field(

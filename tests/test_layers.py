@@ -149,8 +149,9 @@ def test_at_most_seven_floors_from_the_top():
 # sampler its Triton draw, and MIDX's fused branch of its draw with the log q it reads from the codeword scores (51).
 # config.py 530 -> 545: log_probs, how a trainer's log-prob calls are answered, with its help and check (67);
 # callback.py 370 -> 380: it hands the trainer's log-prob decision to the binding and rebuilds no index that no call
-# draws from (67).
-MAX_LINES = {"hf_midx.config": 545, "hf_midx.integration.head": 285, "hf_midx.integration.callback": 380,
+# draws from (67); head.py 285 -> 305: exact_log_probs, the head's third answer beside the sampled and the exact loss
+# (exact values, sampled gradient; 67).
+MAX_LINES = {"hf_midx.config": 545, "hf_midx.integration.head": 305, "hf_midx.integration.callback": 380,
              "hf_midx.samplers.base": 465, "hf_midx.samplers.midx": 480}
 
 

@@ -22,6 +22,8 @@ from packaging.version import Version
 from torch import nn
 from transformers.utils import ModelOutput
 
+from .log_prob_calls import LogProbDecision
+
 
 #: transformers 4.57 to 5.10.0 count ``num_items_in_batch`` of ``prediction_step`` over the unshifted labels, one
 #: token a row more than the causal loss sums (an eval_loss x (S - 1) / S, silently, for every Trainer); 5.10.1
@@ -137,9 +139,9 @@ class HostBinding:
         self._fused: dict[str, Any] | None = None  # set for a training call with fused_lm_head=True
         self._warned_unhooked = self._warned_unscheduled = self._warned_full_training = False
         self._warned_undecided = False
-        #: Whether a training run's log-prob calls with gradients are sampled (True) or exact (False), as
-        #: :class:`~hf_midx.MidxCallback` decided from the trainer's arguments; None: undecided (exact, warned).
-        self.log_prob_decision: bool | None = None
+        #: How a training run's log-prob calls with gradients are answered, as :class:`~hf_midx.MidxCallback`
+        #: decided from the trainer's arguments; None: undecided (exact, warned).
+        self.log_prob_decision: LogProbDecision | None = None
 
     def attach(self) -> None:
         """Register the hooks, replace the host's ``loss_function`` and declare its loss type."""
@@ -205,7 +207,8 @@ class HostBinding:
             )
         if labels is None or not (head.exact_only or head.training):
             return None
-        if fused and not head.exact_only and not self._samples_log_probs():
+        route = self._log_prob_route() if fused and not head.exact_only else None
+        if route == "exact":
             return None  # TRL's own fused forward: exact log-probs over all V classes, in tiles
         self._capturing, self._exact = True, head.exact_only
         if self._exact:
@@ -223,35 +226,38 @@ class HostBinding:
         if fused:
             # TRL asks for its fused output; its fused forward would compute the exact softmax and never
             # call this head. Run the model's own forward (the sampled loss) and convert the output after.
-            self._fused = {}
+            self._fused = {"route": route}
             kwargs = {k: v for k, v in kwargs.items() if k != "fused_lm_head"}
             if only_shifted:
                 kwargs["labels"] = labels
             return args, kwargs
         return None
 
-    def _samples_log_probs(self) -> bool:
-        """True where this training call's per-token log-probabilities (``fused_lm_head=True``) may come from the
-        sampled softmax: a call with gradients, under ``log_probs="sampled"``, or under "auto" where the
-        callback read a plain next-token NLL from the trainer's arguments (:attr:`log_prob_decision`). Calls
-        without gradients ask for values only (reference, old-policy and metric log-probs): always exact."""
+    def _log_prob_route(self) -> str:
+        """How this training call's per-token log-probabilities (``fused_lm_head=True``) are answered (one of
+        :data:`~hf_midx.integration.log_prob_calls.ROUTES`): the config's ``log_probs`` where it names one, else
+        what the callback read from the trainer's arguments (:attr:`log_prob_decision`). Calls without gradients
+        ask for values only (reference, old-policy and metric log-probs): always "exact"."""
         mode = self.head.config.log_probs
-        if not torch.is_grad_enabled() or mode == "exact":
-            return False
-        if mode == "sampled":
-            return True
-        if self.log_prob_decision is None and not self._warned_undecided:
-            self._warned_undecided = True
-            warnings.warn(
-                "hf_midx: a training call asked for per-token log-probabilities with gradients (fused_lm_head=True, "
-                "as TRL's trainers do) and nothing says its loss is the plain next-token NLL, so they are exact over "
-                "all V classes (TRL's tiled head), at the unwrapped model's cost. MidxCallback.install(trainer) reads "
-                "the trainer's loss_type and keeps the sampled softmax for SFTTrainer's loss_type='nll'; "
-                "MidxConfig(log_probs='sampled') forces it (for a plain NLL only).",
-                UserWarning,
-                stacklevel=3,
-            )
-        return bool(self.log_prob_decision)
+        if not torch.is_grad_enabled():
+            return "exact"
+        if mode in ("exact", "sampled"):
+            return mode
+        if self.log_prob_decision is None:
+            if not self._warned_undecided:
+                self._warned_undecided = True
+                warnings.warn(
+                    "hf_midx: a training call asked for per-token log-probabilities with gradients (fused_lm_head=True, "
+                    "as TRL's trainers do) and nothing says its loss is the plain next-token NLL (nor, for "
+                    "log_probs='exact-forward', its temperature), so they are exact over all V classes (TRL's tiled "
+                    "head), at the unwrapped model's cost. MidxCallback.install(trainer) reads the trainer's arguments "
+                    "and keeps the sampled softmax for SFTTrainer's loss_type='nll'; MidxConfig(log_probs='sampled') "
+                    "forces it (for a plain NLL only).",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return "exact"
+        return self.log_prob_decision.route
 
     def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         fused = self._fused
@@ -263,19 +269,14 @@ class HostBinding:
                 "MidxLMHead: a fused_lm_head=True training call did not reach the sampled loss (the model's loss "
                 "was not computed through its loss_function); refusing to return exact log-probabilities."
             )
-        per_token, mask = fused["per_token"], fused["mask"]
-        log_probs = -per_token
+        mask = fused["mask"]
+        fields = fused.get("fields") or {"log_probs": -fused["per_token"]}
         if fused["shifted_here"]:  # TRL's shape: (B, S - 1) when it shifts the labels itself
-            log_probs, mask = log_probs[..., :-1], mask[..., :-1]
-        unavailable = torch.full_like(log_probs, float("nan"))
-        return MidxFusedOutput(
-            loss=output.loss,
-            log_probs=log_probs,
-            entropy=unavailable,
-            is_top1=unavailable,
-            label_mask=mask,
-            aux_loss=getattr(output, "aux_loss", None),
-        )
+            fields, mask = {k: v[..., :-1] for k, v in fields.items()}, mask[..., :-1]
+        if "entropy" not in fields:  # the sampled softmax has no exact entropy nor top-1
+            unavailable = torch.full_like(fields["log_probs"], float("nan"))
+            fields = {**fields, "entropy": unavailable, "is_top1": unavailable}
+        return MidxFusedOutput(loss=output.loss, label_mask=mask, aux_loss=getattr(output, "aux_loss", None), **fields)
 
     def loss_function(self, *args, **kwargs) -> torch.Tensor:
         """Installed as the host's ``loss_function``; same call contract as ``ForCausalLMLoss``."""
@@ -312,7 +313,13 @@ class HostBinding:
             )
         if self._fused is None:
             return head.loss(hidden, labels, num_items_in_batch=num_items, ignore_index=ignore_index, exact=self._exact)
-        per_token = head.loss(hidden, labels, ignore_index=ignore_index, reduction="none")
+        if self._fused["route"] == "exact-forward":
+            fields = head.exact_log_probs(hidden, labels, ignore_index=ignore_index,
+                                          temperature=self.log_prob_decision.temperature)
+            per_token = -fields["log_probs"]
+            self._fused["fields"] = fields
+        else:
+            per_token = head.loss(hidden, labels, ignore_index=ignore_index, reduction="none")
         mask = (labels != ignore_index).to(per_token.device)
         per_token = per_token.reshape(mask.shape)
         self._fused.update(per_token=per_token, mask=mask, shifted_here=shifted_here)

@@ -135,7 +135,7 @@ class MidxCallback(TrainerCallback):
         refuse_data_parallel(args)
         decision = decide_log_probs(head.config.log_probs, args, self._trainer_name)  # may refuse: before any step
         if head.binding is not None:
-            head.binding.log_prob_decision = decision.sampled
+            head.binding.log_prob_decision = decision
         logger.info(decision.reason)
         if args.label_smoothing_factor:
             self._take_label_smoothing(head, float(args.label_smoothing_factor))

@@ -24,6 +24,7 @@ from .diagnostics import proposal_diagnostics
 from .kernel_guard import KernelGuard
 from ..losses.exact_head import auto_exact_head, exact_head_ids
 from ..losses import full_softmax_loss, sampled_softmax_loss
+from ..losses.log_probs import LogitTransform, SampledGradientLogProbs, log_prob_statistics
 from ..registry import build_sampler  # any hf_midx import runs hf_midx/__init__, which registers the samplers
 from .step_data import StepData
 from .zero import check_whole, full_shape
@@ -217,6 +218,36 @@ class MidxLMHead(nn.Module):
         if count is None or reduction == "none":
             return loss
         return loss / (count.to(loss.device) if torch.is_tensor(count) else count)
+
+    def exact_log_probs(self, hidden: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
+                        temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        """Exact per-token log-probabilities and softmax statistics with a sampled gradient
+        (:mod:`hf_midx.losses.log_probs`): TRL's fused-head fields for ``MidxConfig(log_probs="exact-forward")``.
+
+        Args:
+            hidden: (..., D) hidden states (the head's input); labels: (...) already shifted, or ``ignore_index``.
+            temperature: what the logits are divided by (after the host's scale and soft-cap), as TRL's head does.
+        Returns:
+            ``log_probs`` and ``entropy`` (differentiable; the gradient estimated from the exact head and the draws),
+            ``log_sum_sq_probs`` and ``mean_logits`` (float32, no gradient) and ``is_top1`` (bool), each of the
+            labels' shape and 0 (False) where ignored.
+        """
+        weight, bias = self.weight, self.bias
+        check_whole(weight)
+        h = hidden.reshape(-1, hidden.shape[-1])
+        y = labels.reshape(-1).to(device=h.device, dtype=torch.long)
+        valid = y != ignore_index
+        y = y.masked_fill(~valid, 0)
+        transform = LogitTransform(float(temperature), self.logit_scale, self.logit_softcap)
+        stats = log_prob_statistics(h, weight, bias, y, transform)
+        sampler = self._sampler_on(weight.device)
+        ids, log_q = sampler.draw(h.detach().float() * self.logit_scale, self.config.num_samples)
+        log_probs, entropy = SampledGradientLogProbs.apply(h, weight, bias, y, valid, stats, sampler.excluded, ids,
+                                                          log_q, transform)
+        self.step_data.record(h.detach().to(weight.dtype), labels.reshape(-1), ignore_index, log_probs)
+        fields = {"log_probs": log_probs, "entropy": entropy, "is_top1": stats["is_top1"] & valid,
+                  **{k: stats[k] * valid for k in ("log_sum_sq_probs", "mean_logits")}}
+        return {k: v.reshape(labels.shape) for k, v in fields.items()}
 
     # ------------------------------------------------------------------ for hf_midx.integration.callback
     # The schedule (callback, distributed, learned codebooks) reaches the step data and the sampler through these.

@@ -13,6 +13,10 @@ the sampled softmax on those calls; every other one (and any call without gradie
 log-probs, metrics) gets TRL's exact, tiled computation over all V classes, which never builds the (tokens x V)
 logits. Where nothing says what the loss is (no :class:`~hf_midx.MidxCallback` read the arguments), the calls are
 exact and the binding says so once.
+
+``MidxConfig(log_probs="exact-forward")`` keeps the values exact and estimates only their gradient
+(:mod:`hf_midx.losses.log_probs`): it needs the temperature TRL's head divides the logits by, read from the same
+arguments (``temperature`` of GRPO and RLOO, else 1).
 """
 
 from __future__ import annotations
@@ -23,17 +27,30 @@ from dataclasses import dataclass
 NLL_LOSS_TYPES = ("nll",)
 
 
+#: How a call with gradients is answered: the sampled softmax's estimate, TRL's exact tiled head, or exact values with
+#: the gradient estimated (:mod:`hf_midx.losses.log_probs`).
+ROUTES = ("sampled", "exact", "exact-forward")
+
+
 @dataclass(frozen=True)
 class LogProbDecision:
     """How a training run's log-prob calls with gradients are answered.
 
     Attributes:
-        sampled: True: the sampled softmax (values and gradient estimated); False: exact over all V classes.
+        route: one of :data:`ROUTES`.
         reason: one line for the log, naming the trainer's arguments and what follows from them.
+        temperature: the temperature TRL's fused head divides the logits by (``args.temperature`` of GRPO and RLOO,
+            else 1.0); the "exact-forward" route applies it.
     """
 
-    sampled: bool
+    route: str
     reason: str
+    temperature: float = 1.0
+
+    @property
+    def sampled(self) -> bool:
+        """True where the values are the sampled softmax's estimates."""
+        return self.route == "sampled"
 
 
 def decide_log_probs(mode: str, args, trainer_name: str | None = None) -> LogProbDecision:
@@ -65,23 +82,29 @@ def decide_log_probs(mode: str, args, trainer_name: str | None = None) -> LogPro
             "(ratios, KL penalties, preference margins or weights), which the sampled softmax can only estimate, "
             "biased. Use log_probs='auto' (exact log-probs for this trainer) or 'exact'."
         )
+    if mode == "exact-forward":
+        temperature = float(getattr(args, "temperature", None) or 1.0)
+        return LogProbDecision("exact-forward", (
+            f"hf_midx: MidxConfig(log_probs='exact-forward'): {who}'s per-token log-probabilities are exact over all V "
+            f"classes (temperature {temperature:g}); their gradient is estimated from the exact head and the draws."
+        ), temperature)
     if mode == "auto" and loss_type is None:
-        return LogProbDecision(False, (
+        return LogProbDecision("exact", (
             f"hf_midx: {who} declares no loss_type: its model calls with labels train on the sampled softmax; a call "
             "asking for per-token log-probabilities (fused_lm_head=True), if any, is exact over all V classes."
         ))
     if mode == "exact" or (mode == "auto" and not nll):
-        return LogProbDecision(False, (
+        return LogProbDecision("exact", (
             f"hf_midx: {who} ({declared}) asks for per-token log-probabilities that its loss uses as exact values; "
             "they are computed exactly over all V classes (TRL's tiled head, no (tokens x V) logits), at the "
             "unwrapped model's cost; only a plain next-token NLL (loss_type='nll') trains on the sampled softmax."
             if mode == "auto" else
             f"hf_midx: MidxConfig(log_probs='exact'): {who}'s per-token log-probabilities are exact over all V classes."
         ))
-    return LogProbDecision(True, (
+    return LogProbDecision("sampled", (
         f"hf_midx: {who} ({declared}) trains on the plain next-token NLL: its per-token log-probabilities with "
         "gradients come from the sampled softmax (their values are estimates); calls without gradients are exact."
     ))
 
 
-__all__ = ["LogProbDecision", "NLL_LOSS_TYPES", "decide_log_probs"]
+__all__ = ["LogProbDecision", "NLL_LOSS_TYPES", "ROUTES", "decide_log_probs"]

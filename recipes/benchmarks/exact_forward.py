@@ -1,28 +1,26 @@
 #!/usr/bin/env python
-"""Would "exact values, sampled gradient" pay for post-training? A measurement, not a feature.
+"""``MidxConfig(log_probs="exact-forward")`` measured: exact log-probs with a sampled gradient, for RL and preference.
 
-RL and preference trainers need exact per-token log-probabilities (the forward), but their gradient could be
-estimated: with log Z exact from the forward, d log p_y / dz = e_y - p splits into the exact head's classes
-(scored exactly) and the tail, whose sum sum_j p_j grad z_j the sampler's M draws estimate without bias,
-(1/M) sum_m (p_{j_m} / q_{j_m}) grad z_{j_m} (no self-normalization). The backward, two thirds of the exact head's
-FLOPs, becomes O(T (H + M) D). This prototype measures, with the library's default proposal (MIDX, exact head, unigram
-mix):
+RL and preference trainers need exact per-token log-probabilities (the forward), but their gradient can be estimated
+(:mod:`hf_midx.losses.log_probs`): with log Z exact, the tail's share of the gradient comes from the sampler's M draws
+without self-normalization, the exact head's classes scored exactly. This measures, with the default proposal:
 
 1. on a trained model (the quick start's, ``--model_dir``): the estimated gradient of sum_t g_t log p_t (g_t: one
    random sign per sequence, as advantages or preference signs give) against the exact one, per parameter group
-   (the tied output embedding, the rest of the model): cosine of one draw's gradient, and the relative variance
-   E ||g_hat - g||^2 / ||g||^2 over ``--draws`` draws;
+   (the tied output embedding, the rest of the model): cosine of one draw's gradient, the relative variance
+   E ||g_hat - g||^2 / ||g||^2 and the mean's distance, over ``--draws`` draws;
 2. the head's CPU time (one thread) at V = 131,072: TRL's exact tiled head (forward and backward, what
-   post-training runs now) against its forward alone plus the sampled backward.
+   post-training runs under log_probs="auto"), its forward alone, and the exact-forward head;
+3. short DPO and GRPO runs (``--steps``, seed 0, a tiny Llama on random words) under "auto" (exact) and
+   "exact-forward": the logged loss and reward/margin at every step.
 
-    python recipes/benchmarks/exact_forward.py --model_dir runs/wikitext2 --output recipes/benchmarks/results/exact_forward
+    python recipes/benchmarks/exact_forward.py --model_dir runs/wikitext2 --output recipes/benchmarks/results/post-training
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import subprocess
 import time
@@ -35,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_midx
 from hf_midx import MidxConfig
 from hf_midx.integration.head import find_head
+from hf_midx.losses import log_probs
 
 if __package__:
     from .. import lm_data
@@ -45,37 +44,6 @@ else:  # run as a file: this folder is first on sys.path
     import lm_data
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def log_partition(h: torch.Tensor, weight: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-    """(T,) float32 exact log Z of h (T, D) against weight (V, D), in (T, chunk) tiles."""
-    out = torch.full((h.shape[0],), -math.inf)
-    for start in range(0, weight.shape[0], chunk):
-        out = torch.logaddexp(out, torch.logsumexp(h @ weight[start:start + chunk].T, dim=1))
-    return out
-
-
-class SampledBackwardLogProbs(torch.autograd.Function):
-    """log p_y = z_y - log Z with log Z given exact; backward: the head's classes exact, the tail from the draws."""
-
-    @staticmethod
-    def forward(ctx, h, weight, labels, log_z, head_ids, ids, log_q):
-        ctx.save_for_backward(h, weight, labels, log_z, head_ids, ids, log_q)
-        return (h * weight[labels]).sum(-1) - log_z
-
-    @staticmethod
-    def backward(ctx, g):
-        h, weight, labels, log_z, head_ids, ids, log_q = ctx.saved_tensors
-        w_head, w_draw = weight[head_ids], weight[ids]  # (H, D), (T, M, D)
-        p_head = torch.exp(h @ w_head.T - log_z[:, None])  # (T, H) exact
-        ratio = torch.exp((h[:, None] * w_draw).sum(-1) - log_z[:, None] - log_q) / ids.shape[1]  # (T, M) p / (M q)
-        c_head, c_draw = g[:, None] * p_head, g[:, None] * ratio
-        grad_h = g[:, None] * weight[labels] - c_head @ w_head - (c_draw[..., None] * w_draw).sum(1)
-        grad_w = torch.zeros_like(weight)
-        grad_w.index_add_(0, labels, g[:, None] * h)
-        grad_w.index_add_(0, head_ids, -(c_head.T @ h))
-        grad_w.index_add_(0, ids.reshape(-1), -(c_draw[..., None] * h[:, None]).reshape(-1, h.shape[1]))
-        return grad_h, grad_w, None, None, None, None, None
 
 
 def _grads(model, loss) -> dict[str, torch.Tensor]:
@@ -106,15 +74,9 @@ def gradient_quality(model_dir: str, draws: int, seq_len: int, rows: int) -> dic
 
     h = hidden()
     exact = _grads(model, -(g * -torch.nn.functional.cross_entropy(h @ weight.T, y, reduction="none")).sum())
-    # loss = -sum g log p, the sign a trainer's loss has; the same for the estimate below
     estimates = {k: [] for k in exact}
-    head_ids = head.exact_ids
-    for _ in range(draws):
-        h = hidden()
-        with torch.no_grad():
-            log_z = log_partition(h, weight)
-            ids, log_q = head.sampler.draw(h.detach(), head.config.num_samples)
-        log_p = SampledBackwardLogProbs.apply(h, weight, y, log_z, head_ids, ids, log_q)
+    for _ in range(draws):  # loss = -sum g log p, the sign a trainer's loss has
+        log_p = head.exact_log_probs(hidden(), y)["log_probs"]
         for k, v in _grads(model, -(g * log_p).sum()).items():
             estimates[k].append(v)
     out = {}
@@ -127,7 +89,7 @@ def gradient_quality(model_dir: str, draws: int, seq_len: int, rows: int) -> dic
             "relative_bias": float((est.mean(0) - ref).norm() / ref.norm()),
         }
     return {"model_dir": Path(model_dir).name, "vocab_size": vocab, "tokens": int(y.numel()), "draws": draws,
-            "exact_head": int(head_ids.numel()), "num_samples": head.config.num_samples, "groups": out}
+            "exact_head": int(head.exact_ids.numel()), "num_samples": head.config.num_samples, "groups": out}
 
 
 def head_time(vocab: int, dim: int, tokens: int, repeats: int) -> dict:
@@ -143,18 +105,17 @@ def head_time(vocab: int, dim: int, tokens: int, repeats: int) -> dict:
     counts = 1e9 / torch.arange(1, vocab + 1, dtype=torch.float64) ** 1.1
     sampler = hf_midx.build_sampler(config.sampler, weight.detach(), class_counts=counts, exclude=head_ids,
                                     **config.sampler_kwargs())
+    transform, valid = log_probs.LogitTransform(), torch.ones(tokens, dtype=torch.bool)
 
     def exact_step():
         lp = ChunkedLogProbFunction.apply(h, weight, None, y, 1.0, 32768)[0]
         (-(g * lp).sum()).backward()
 
-    def sampled_backward_step():
-        with torch.no_grad():
-            lp = ChunkedLogProbFunction.apply(h, weight, None, y, 1.0, 32768)[0]  # the exact values
-            log_z = (h * weight[y]).sum(-1) - lp
-            ids, log_q = sampler.draw(h, config.num_samples)
-        out = SampledBackwardLogProbs.apply(h, weight, y, log_z, head_ids, ids, log_q)
-        (-(g * out).sum()).backward()
+    def exact_forward_step():
+        stats = log_probs.log_prob_statistics(h, weight, None, y, transform)
+        ids, log_q = sampler.draw(h.detach(), config.num_samples)
+        lp = log_probs.SampledGradientLogProbs.apply(h, weight, None, y, valid, stats, head_ids, ids, log_q, transform)
+        (-(g * lp[0]).sum()).backward()
 
     def forward_only():
         with torch.no_grad():
@@ -162,7 +123,7 @@ def head_time(vocab: int, dim: int, tokens: int, repeats: int) -> dict:
 
     times = {}
     for name, step in (("exact forward and backward (TRL)", exact_step),
-                       ("exact forward, sampled backward", sampled_backward_step),
+                       ("exact-forward: exact values, sampled gradient", exact_forward_step),
                        ("exact forward alone (TRL)", forward_only)):
         step()  # warm-up
         seconds = []
@@ -176,6 +137,57 @@ def head_time(vocab: int, dim: int, tokens: int, repeats: int) -> dict:
             "exact_head": int(head_ids.numel()), "num_samples": config.num_samples, "seconds_min": times}
 
 
+def short_runs(steps: int, folder: Path) -> dict:
+    """DPO and GRPO on a tiny Llama for ``steps`` steps, seed 0, log_probs "auto" (exact) and "exact-forward"."""
+    import datasets
+    import trl
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    vocab = 256
+    backend = Tokenizer(models.WordLevel(vocab={"<eos>": 0, **{f"w{i}": i for i in range(1, vocab)}}, unk_token="<eos>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<eos>")
+
+    def texts(n, words, seed):
+        ids = torch.randint(1, vocab, (n, words), generator=torch.Generator().manual_seed(seed))
+        return [" ".join(f"w{i}" for i in row) for row in ids.tolist()]
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, pad_token_id=0, tie_word_embeddings=False)).save_pretrained(folder / "base")
+    pairs = datasets.Dataset.from_dict({"prompt": texts(64, 5, 1), "chosen": texts(64, 6, 2),
+                                        "rejected": texts(64, 6, 3)})
+    prompts = datasets.Dataset.from_dict({"prompt": texts(64, 5, 4)})
+    out = {}
+    for kind in ("dpo", "grpo"):
+        for mode in ("auto", "exact-forward"):
+            model = AutoModelForCausalLM.from_pretrained(folder / "base")
+            hf_midx.wrap(model, MidxConfig(num_samples=32, codebook_size=8, log_probs=mode))
+            common = dict(output_dir=str(folder / kind / mode), max_steps=steps, per_device_train_batch_size=4,
+                          learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                          disable_tqdm=True, seed=0)
+            if kind == "dpo":
+                trainer = trl.DPOTrainer(model=model, ref_model=AutoModelForCausalLM.from_pretrained(folder / "base"),
+                                         args=trl.DPOConfig(**common, max_length=32), train_dataset=pairs,
+                                         processing_class=tokenizer)
+                keys = ("loss", "rewards/margins", "rewards/accuracies")
+            else:
+                trainer = trl.GRPOTrainer(
+                    model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                    args=trl.GRPOConfig(**common, num_generations=2, max_completion_length=6, beta=0.1,
+                                        generation_batch_size=4, temperature=0.7),
+                    train_dataset=prompts, processing_class=tokenizer)
+                keys = ("loss", "reward", "kl")
+            hf_midx.MidxCallback.install(trainer)
+            trainer.train()
+            history = [e for e in trainer.state.log_history if "loss" in e]
+            out.setdefault(kind, {})[mode] = {k: [e[k] for e in history] for k in keys}
+            out[kind][mode]["train_runtime"] = trainer.state.log_history[-1]["train_runtime"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model_dir", required=True, help="a model saved by recipes/wikitext2.py")
@@ -186,17 +198,20 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20, help="steps of each short DPO and GRPO run (0: none)")
     args = parser.parse_args()
     torch.manual_seed(0)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
     quality = gradient_quality(args.model_dir, args.draws, 50, args.rows)
     print(json.dumps(quality, indent=1))
     timing = head_time(args.vocab, args.dim, args.tokens, args.repeats)
     print(json.dumps(timing, indent=1))
+    runs = short_runs(args.steps, out / "runs") if args.steps else {}
+    print(json.dumps(runs, indent=1))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    result = {"gradient": quality, "head_time": timing, "commit": commit.strip(), "torch": torch.__version__,
-              "transformers": transformers.__version__, "python": platform.python_version()}
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
+    result = {"gradient": quality, "head_time": timing, "short_runs": runs, "commit": commit.strip(),
+              "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
     (out / "exact_forward.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
 

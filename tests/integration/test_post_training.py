@@ -10,7 +10,6 @@ every step. Offline: a word-level tokenizer, tiny Llama / GPT-2 models saved to 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import warnings
 
@@ -29,13 +28,13 @@ from _models import tiny_model  # noqa: E402
 import hf_midx  # noqa: E402
 from hf_midx import MidxCallback, MidxConfig, MidxTrainer  # noqa: E402
 from hf_midx.integration.head import find_head  # noqa: E402
+from hf_midx.integration.log_prob_calls import decide_log_probs  # noqa: E402
 
 V = 256
-# TRL < 1.16 launches its Triton log-prob kernel on CPU tensors wherever Triton is installed: its fused head (the
-# unwrapped model's too) cannot run on a CPU there, so neither can these trainers.
-TRL_FUSED_ON_CPU = Version(trl.__version__) >= Version("1.16") or importlib.util.find_spec("triton") is None
-needs_trl_fused = pytest.mark.skipif(not TRL_FUSED_ON_CPU, reason="TRL < 1.16's fused head does not run on a CPU "
-                                     "with Triton installed (unwrapped models neither)")
+# TRL 1.15's tiled log-prob head is Triton only (it imports triton and launches its kernel on CPU tensors): there its
+# DPO, KTO, GRPO and RLOO do not run on a CPU, unwrapped models neither. TRL 1.16 folds the tiles in torch off the GPU.
+needs_trl_fused = pytest.mark.skipif(Version(trl.__version__) < Version("1.16"), reason="TRL < 1.16's fused head runs "
+                                     "on GPUs only (unwrapped models too)")
 
 
 def _tokenizer() -> PreTrainedTokenizerFast:
@@ -65,21 +64,23 @@ def base_dir(tmp_path_factory) -> str:
     return str(folder)
 
 
-def _train(kind: str, base_dir: str, out: str, *, wrapped: bool, lr: float, lora: bool = False):
-    """Three logged steps of ``kind`` from the saved model; returns (log_history, the head or None)."""
+def _train(kind: str, base_dir: str, out: str, *, wrapped: bool, lr: float, lora: bool = False,
+           log_probs: str = "auto", steps: int = 3):
+    """``steps`` logged steps of ``kind`` from the saved model; returns (log_history, the head or None)."""
     torch.manual_seed(0)  # LoRA's initialization: the same in both runs
     model = AutoModelForCausalLM.from_pretrained(base_dir)
     if lora:
         peft = pytest.importorskip("peft")
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     if wrapped:
-        hf_midx.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=5))
-    common = dict(output_dir=out, max_steps=3, per_device_train_batch_size=4, learning_rate=lr, logging_steps=1,
+        hf_midx.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=5, log_probs=log_probs))
+    common = dict(output_dir=out, max_steps=steps, per_device_train_batch_size=4, learning_rate=lr, logging_steps=1,
                   save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
     pairs = datasets.Dataset.from_dict({"prompt": _texts(12, 5, 1), "chosen": _texts(12, 6, 2),
                                         "rejected": _texts(12, 6, 3)})
     prompts = datasets.Dataset.from_dict({"prompt": _texts(12, 5, 4)})
-    rl = dict(num_generations=2, max_completion_length=6, beta=0.1, generation_batch_size=4)
+    # A temperature other than 1: TRL's head divides the logits by it, and so must an exact-forward answer.
+    rl = dict(num_generations=2, max_completion_length=6, beta=0.1, generation_batch_size=4, temperature=0.7)
     reference = None if lora else AutoModelForCausalLM.from_pretrained(base_dir)
     if kind == "dpo":
         trainer = trl.DPOTrainer(model=model, ref_model=reference, args=trl.DPOConfig(**common, max_length=32),
@@ -111,12 +112,12 @@ def _train(kind: str, base_dir: str, out: str, *, wrapped: bool, lr: float, lora
     return trainer.state.log_history, find_head(model)
 
 
-@needs_trl_fused
 @pytest.mark.parametrize(
     "kind, lr, lora",
-    [("dpo", 0.0, False), ("kto", 0.0, False), ("grpo", 0.0, False), ("dpo", 0.0, True),
-     ("dpo", 1e-3, False), ("grpo", 1e-3, False), ("rloo", 1e-3, False), ("orpo", 1e-3, False),
-     ("cpo", 1e-3, False)],
+    [*(pytest.param(*case, marks=needs_trl_fused) for case in (
+        ("dpo", 0.0, False), ("kto", 0.0, False), ("grpo", 0.0, False), ("dpo", 0.0, True), ("dpo", 1e-3, False),
+        ("grpo", 1e-3, False), ("rloo", 1e-3, False))),
+     ("orpo", 1e-3, False), ("cpo", 1e-3, False)],  # full logits: no fused head
 )
 def test_post_training_logs_what_the_unwrapped_model_logs(tmp_path, base_dir, kind, lr, lora):
     want, _ = _train(kind, base_dir, str(tmp_path / "plain"), wrapped=False, lr=lr, lora=lora)
@@ -181,6 +182,48 @@ def test_sft_and_the_plain_trainer_draw_from_the_sampler_every_step(tmp_path, tr
         trainer = MidxTrainer(model=model, args=TrainingArguments(**common), train_dataset=data)
     trainer.train()
     assert draws[0] == 3 == head.sampled_calls  # one draw per training call, one call per step
+
+
+@needs_trl_fused
+@pytest.mark.parametrize("kind", ["dpo", "grpo"])
+def test_exact_forward_logs_exact_values_and_trains_close_to_the_exact_run(tmp_path, base_dir, kind):
+    """log_probs="exact-forward": with learning rate 0 every logged value is the exact run's (the values are exact);
+    with 1e-3 the losses and rewards of 3 steps stay close to it (the gradient is an unbiased estimate)."""
+    for lr, tolerance in ((0.0, 1e-5), (1e-3, 2e-3)):
+        want, _ = _train(kind, base_dir, str(tmp_path / f"exact{lr}"), wrapped=True, lr=lr)
+        got, head = _train(kind, base_dir, str(tmp_path / f"forward{lr}"), wrapped=True, lr=lr,
+                           log_probs="exact-forward")
+        assert head.sampled_calls > 0  # the gradient came from the draws
+        for expected, logged in zip(want, got):
+            for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "kl", "reward"):
+                if key in expected and lr == 0 or key in ("loss", "reward", "rewards/margins") and key in expected:
+                    assert logged[key] == pytest.approx(expected[key], abs=tolerance), (kind, lr, key)
+
+
+@needs_trl_fused
+@pytest.mark.parametrize("arch", ["gemma2", "cohere", "phi"])  # soft-capped logits, scaled logits, a head bias
+def test_exact_forward_fields_are_trl_s_exact_fields(arch):
+    fields = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    model = tiny_model(arch, vocab_size=V, seed=0, **({"hidden_dropout": 0.0} if arch == "cohere" else {}))
+    reference = tiny_model(arch, vocab_size=V, seed=0)
+    for m in (model, reference):
+        add_fused_lm_head(m, temperature=0.7, outputs=fields)
+    hf_midx.wrap(model, MidxConfig(num_samples=8, codebook_size=8, kmeans_iters=5, log_probs="exact-forward"))
+    find_head(model).binding.log_prob_decision = decide_log_probs(
+        "exact-forward", trl.GRPOConfig(output_dir="unused", temperature=0.7, report_to=[], use_cpu=True, bf16=False))
+    ids = torch.randint(1, V, (2, 12), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    model.train(), reference.train()
+    torch.manual_seed(0)
+    got = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    torch.manual_seed(0)
+    want = reference(input_ids=ids, labels=labels, fused_lm_head=True)
+    for name in fields:
+        torch.testing.assert_close(getattr(got, name).float(), getattr(want, name).float(), rtol=1e-5, atol=2e-5,
+                                   msg=name)
+    got.log_probs.sum().backward()
+    assert find_head(model).weight.grad is not None and find_head(model).sampled_calls == 1
 
 
 class _LargestTensor(torch.overrides.TorchFunctionMode):
@@ -259,8 +302,6 @@ def test_sampled_log_probs_for_a_preference_loss_are_refused_before_the_first_st
 
 def test_liger_fused_cross_entropy_is_refused_naming_the_fix(tmp_path):
     """Liger's fused linear cross-entropy replaces the model's forward: the head would never run."""
-    from hf_midx.integration.log_prob_calls import decide_log_probs
-
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     args.use_liger_kernel = True  # set after construction: Liger itself is not installed here
     with pytest.raises(ValueError, match="fused_linear_cross_entropy': False"):
