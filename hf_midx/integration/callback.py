@@ -164,7 +164,7 @@ class MidxCallback(TrainerCallback):
             folder = find_resume_folder(candidates, state.global_step)
             saved = read_head_state(folder, head, rank=args.process_index, world_size=args.world_size,
                                     check_extra=None if self.codebooks is None else self.codebooks.check_saved)
-            load_head_state(saved, head, self.codebooks, seed=seed)
+            load_head_state(saved, head, self.codebooks, seed=seed, rank=args.process_index)
             self.last_refresh_step = saved.last_refresh_step
             explain_tied_weights(model, head)
         self.schedule = RefreshSchedule(config)
