@@ -6,7 +6,8 @@ on the schedule of :mod:`hf_midx.integration.refresh_schedule` (``refresh_every_
 measured cost by default, a fixed one, or never; each rebuild logged with its reason) and/or at each epoch start (:mod:`hf_midx.integration.distributed`: gathered,
 rebuilt on rank 0, broadcast); trains learned codebooks every step (:mod:`hf_midx.integration.learned_codebooks`); adds to
 each log entry with ``loss`` the proposal diagnostics (``midx/kl``...) and ``midx/train_loss_exact``, the exact
-loss of the last micro-batch (the Trainer's ``loss`` is the *sampled* objective), averaged over processes;
+loss of the last micro-batch on the weights its loss saw (measured before the optimizer step; the Trainer's ``loss``
+is the *sampled* objective's estimate), averaged over processes;
 adds ``eval_perplexity`` to evaluation metrics and leaves TRL's NaN ``entropy`` / ``mean_token_accuracy`` out of
 training logs (:mod:`hf_midx.integration.log_entries`);
 writes the sampler state into every checkpoint and restores it on resume (:mod:`hf_midx.integration.checkpoint`), so a
@@ -30,6 +31,7 @@ import warnings
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import DefaultFlowCallback
+from transformers.trainer_utils import IntervalStrategy
 
 from .checkpoint import explain_tied_weights, load_head_state, read_head_state, save_head_state
 from .distributed import (broadcast_sampler, full_head_weight, local_device, mean_over_ranks, refresh_head,
@@ -92,6 +94,7 @@ class MidxCallback(TrainerCallback):
         self._nonfinite = NonFiniteCheck()
         self._saved_folder: str | None = None
         self._full_softmax = FullSoftmaxMetrics()
+        self._exact_before_step: torch.Tensor | None = None  # this step's midx/train_loss_exact, on the device
 
     @classmethod
     def install(cls, trainer, *, resume_from_checkpoint: str | os.PathLike | None = None) -> "MidxCallback":
@@ -145,7 +148,7 @@ class MidxCallback(TrainerCallback):
                 "has them). Call MidxCallback.install(trainer) instead of passing callbacks=[MidxCallback()].",
                 stacklevel=2,
             )
-        self._pending, self._saved_folder = {}, None
+        self._pending, self._saved_folder, self._exact_before_step = {}, None, None
         head.step_data.clear(local_device(head.weight))  # where the model now trains
         head.step_data.scheduled = True  # the host binding's "no MidxCallback" warning stays quiet
         self._nonfinite.start(state.global_step, state.epoch)
@@ -183,6 +186,14 @@ class MidxCallback(TrainerCallback):
                 and not self.head.frozen and state.epoch is not None and float(state.epoch).is_integer()
                 and state.global_step != self.last_refresh_step):  # fmt: skip
             self.refresh(state, reason="the start of an epoch (refresh_every_epoch)")
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        # midx/train_loss_exact on the weights the step's loss saw, at the steps that will log it; kept on the
+        # device until the log (no sync here).
+        head = self.head
+        if head is not None and head.step_data.last_batch is not None and logs_after_step(args, state):
+            with full_head_weight(head) as (weight, bias):
+                self._exact_before_step = mean_over_ranks(head.last_batch_exact_loss(weight, bias))
 
     def on_step_end(self, args, state, control, **kwargs):
         head = self.head
@@ -310,7 +321,8 @@ class MidxCallback(TrainerCallback):
         self._pending["midx/refresh_interval"] = float(self.schedule.interval)
 
     def _measure(self) -> None:
-        """The proposal diagnostics and the exact loss of the last micro-batch, for the next log entry."""
+        """The proposal diagnostics and the exact loss of the last micro-batch (measured before the optimizer
+        step where :func:`logs_after_step` foresaw the log), for the next log entry."""
         head = self.head
         if head.step_data.queries is None:
             return
@@ -321,7 +333,10 @@ class MidxCallback(TrainerCallback):
                 for key, value in head.proposal_diagnostics(head.step_data.queries, weight, bias).items():
                     if key != "head_mass" or head.exact_ids is not None:
                         self._pending["midx/kl" if key == "kl_qp" else f"midx/{key}"] = mean_over_ranks(value)
-            self._pending["midx/train_loss_exact"] = mean_over_ranks(head.last_batch_exact_loss(weight, bias))
+            if self._exact_before_step is None:  # a log no step foresaw (logging_strategy="epoch")
+                self._exact_before_step = mean_over_ranks(head.last_batch_exact_loss(weight, bias))
+            self._pending["midx/train_loss_exact"] = self._exact_before_step
+        self._exact_before_step = None
         if head.step_data.z_loss is not None:  # the last micro-batch's, as the exact loss
             self._pending["midx/z_loss"] = mean_over_ranks(head.step_data.z_loss.float())
 
@@ -356,4 +371,14 @@ class MidxCallback(TrainerCallback):
         trainer.save_model, trainer.create_model_card = save_model_with_midx, create_midx_model_card
 
 
-__all__ = ["MidxCallback", "MidxNonFiniteError", "refresh_index"]
+def logs_after_step(args, state) -> bool:
+    """True when the optimizer step about to be taken (``state.global_step + 1``) is one the Trainer's flow
+    callback logs after: the first with ``logging_first_step``, or a multiple of ``logging_steps``. A
+    ``logging_strategy="epoch"`` log is not foreseen (the epoch's last step is not known here)."""
+    step = state.global_step + 1
+    if step == 1 and args.logging_first_step:
+        return True
+    return args.logging_strategy == IntervalStrategy.STEPS and step % state.logging_steps == 0
+
+
+__all__ = ["MidxCallback", "MidxNonFiniteError", "logs_after_step", "refresh_index"]
