@@ -33,6 +33,11 @@ def wrap(
 ) -> nn.Module:
     """Replace the model's output layer by a ``MidxLMHead`` (in place); returns the same model.
 
+    While wrapped, ``resize_token_embeddings`` raises ValueError (the index is built for this V): unwrap, resize,
+    wrap again. A PEFT model's ``merge_and_unload()`` returns the base model with the MIDX head still in place
+    (it trains sampled; ``save_pretrained`` writes a plain model either way): ``hf_midx.unwrap(merged)`` gives
+    the ``nn.Linear`` back.
+
     Args:
         model: a causal LM (``AutoModelForCausalLM``), possibly inside a PEFT wrapper, whose
             ``get_output_embeddings()`` is an ``nn.Linear`` (tied or not, with or without bias).
