@@ -72,6 +72,15 @@ def wrap(
             f"num_samples={config.num_samples} is not smaller than the vocabulary size {vocab}: sampling buys "
             f"nothing; lower num_samples (e.g. to {max(1, vocab // 10)}) or train with the full softmax."
         )
+    if class_counts is not None and not bool(torch.as_tensor(class_counts).any()):
+        warnings.warn(
+            "hf_midx.wrap: class_counts are all zero, so the exact head, the unigram mixture and the frequency "
+            "order they set mean nothing (every class ties). Pass the counts of the training tokens, "
+            f"hf_midx.token_counts(ids, {vocab}) (labels of -100 are left out: are all of yours ignored?), or "
+            "class_counts=None.",
+            UserWarning,
+            stacklevel=2,
+        )
     host = _find_host(model, linear)
     loss_fn = host.loss_function
     if not uses_causal_lm_loss(host):
