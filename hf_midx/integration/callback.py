@@ -348,9 +348,9 @@ class MidxCallback(TrainerCallback):
         @functools.wraps(save_model)
         def save_model_with_midx(output_dir: str | None = None, _internal_call: bool = False) -> None:
             output_dir = os.fspath(trainer.args.output_dir if output_dir is None else output_dir)
-            head = self.head or find_head(trainer.model)
+            head = find_head(trainer.model)  # None after hf_midx.unwrap: a plain model, saved as one
             checkpoint = f"checkpoint-{trainer.state.global_step}"
-            if self.head is not None and os.path.basename(os.path.normpath(output_dir)) == checkpoint:
+            if head is not None and self.head is head and os.path.basename(os.path.normpath(output_dir)) == checkpoint:
                 self.save(output_dir, trainer.args)  # before the Trainer's files, so that a pushed checkpoint has it
             save_model(output_dir, _internal_call=_internal_call)
             if head is not None and trainer.args.should_save:
@@ -360,7 +360,7 @@ class MidxCallback(TrainerCallback):
 
         @functools.wraps(create_model_card)
         def create_midx_model_card(**card_args) -> None:
-            head = self.head or find_head(trainer.model)
+            head = find_head(trainer.model)
             if head is None:
                 return create_model_card(**card_args)
             if trainer.is_world_process_zero():

@@ -417,6 +417,14 @@ def test_plain_trainer_save_model_writes_midx_config_and_card(tmp_path):
     again = MidxCallback.install(trainer)  # a second install wraps save_model once
     assert again is next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MidxCallback))
     assert not getattr(trainer.save_model.__wrapped__, "midx_wrapped", False)
+    # Unwrapped, the model is a plain one: saved without midx_config.json nor a MIDX card (both were written).
+    hf_midx.unwrap(trainer.model)
+    trainer.save_model(str(tmp_path / "plain"))
+    saved = set(os.listdir(tmp_path / "plain"))
+    assert "model.safetensors" in saved and "midx_config.json" not in saved, saved
+    assert "README.md" not in saved or "hf-midx" not in (tmp_path / "plain" / "README.md").read_text()
+    trainer.create_model_card()
+    assert "hf-midx" not in (tmp_path / "run" / "README.md").read_text()
 
 
 @pytest.mark.parametrize("name", sorted(hf_midx.SAMPLERS))
