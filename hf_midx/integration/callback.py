@@ -354,7 +354,7 @@ class MidxCallback(TrainerCallback):
                 self.save(output_dir, trainer.args)  # before the Trainer's files, so that a pushed checkpoint has it
             save_model(output_dir, _internal_call=_internal_call)
             if head is not None and trainer.args.should_save:
-                head.config.save_pretrained(output_dir, chosen=self._chosen())
+                head.config.save_pretrained(output_dir, chosen=self._chosen() if head is self.head else None)
                 if not _internal_call:
                     write_model_card(trainer, output_dir, head.config, num_classes=head.num_classes)
 
