@@ -189,7 +189,7 @@ class MidxCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         # midx/train_loss_exact on the weights the step's loss saw, at the steps that will log it; kept on the
-        # device until the log (no sync here).
+        # device until the log (no sync here). DeepSpeed's engine steps inside backward: there it is after the step.
         head = self.head
         if head is not None and head.step_data.last_batch is not None and logs_after_step(args, state):
             with full_head_weight(head) as (weight, bias):
