@@ -148,10 +148,12 @@ def test_at_most_seven_floors_from_the_top():
 # samplers/base.py 450 -> 465 and samplers/midx.py 450 -> 480: has_fused_draw, the hook by which the loss offers a
 # sampler its Triton draw, and MIDX's fused branch of its draw with the log q it reads from the codeword scores (51).
 # config.py 530 -> 545: log_probs, how a trainer's log-prob calls are answered, with its help and check (67);
-# callback.py 370 -> 380: it hands the trainer's log-prob decision to the binding and rebuilds no index that no call
-# draws from (67); head.py 285 -> 305: exact_log_probs, the head's third answer beside the sampled and the exact loss
-# (exact values, sampled gradient; 67).
-MAX_LINES = {"hf_midx.config": 545, "hf_midx.integration.head": 305, "hf_midx.integration.callback": 380,
+# head.py 285 -> 305: exact_log_probs, the head's third answer beside the sampled and the exact loss (exact values,
+# sampled gradient; 67). callback 370 -> 390 (issue 70): midx/train_loss_exact measured before the optimizer step
+# (on_pre_optimizer_step and logs_after_step, which foresees the Trainer's logging steps), still the callback's one
+# idea: the schedule; 390 -> 400 (67): it hands the trainer's log-prob decision to the binding and rebuilds no index
+# that no call draws from.
+MAX_LINES = {"hf_midx.config": 545, "hf_midx.integration.head": 305, "hf_midx.integration.callback": 400,
              "hf_midx.samplers.base": 465, "hf_midx.samplers.midx": 480}
 
 

@@ -25,6 +25,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
 from _env import offline_env
 
@@ -110,8 +111,9 @@ def test_first_command_installs_cpu_torch_before_the_package_and_the_first_run_c
 def test_readme_is_short_leads_with_the_decision_and_its_links_resolve():
     lines = readme().splitlines()
     # 220 -> 240: issue 55's config rows and frozen-head line, issue 56's traced sources, Install block and midx/* rows,
-    # issue 53's Requirements line; 245 -> 280: issue 67's table of TRL trainers and what each gets.
-    assert len(lines) <= 280, len(lines)
+    # issue 53's Requirements line; 245 -> 252: issue 70's sampler_options line, the Quick start's source, resize /
+    # merge / resume refusals; 252 -> 290: issue 67's table of TRL trainers and what each gets.
+    assert len(lines) <= 290, len(lines)
     decision = next(i for i, line in enumerate(lines) if line.startswith("## When to use it"))
     assert decision < 40 and "Cut Cross-Entropy" in "\n".join(lines[decision : decision + 20])
     assert not re.search(r"\b(sessions?|rounds?)\b", readme()), "process words belong to no user's README"
@@ -282,6 +284,43 @@ def test_sampler_table_lists_the_registry_and_its_option_defaults():
     from hf_midx.config import _OPTIONS_WITH_FIELDS
 
     assert set(listed) == set(SAMPLER_OPTIONS) - set(_OPTIONS_WITH_FIELDS)
+
+
+def test_sampler_options_are_said_to_be_no_config_fields_and_the_example_runs():
+    """The table's options go in sampler_options (MidxConfig(unigram_power=...) is a TypeError): the section says so,
+    and its example builds a config."""
+    from hf_midx import MidxConfig
+
+    section = readme().split("## Samplers", 1)[1].split("\n## ", 1)[0]
+    examples = [" ".join(e.split()) for e in re.findall(r"`(MidxConfig\(.*?\))`", section, re.S)]
+    assert len(examples) == 2 and "sampler_options" in examples[0], examples
+    assert eval(examples[0], {"MidxConfig": MidxConfig}).sampler_options  # noqa: S307 (the README's own text)
+    with pytest.raises(TypeError):
+        eval(examples[1], {"MidxConfig": MidxConfig})  # noqa: S307
+
+
+def test_the_quick_start_figures_are_those_of_its_committed_run():
+    """The Quick start's minutes and perplexities are those of the committed run it links (its results.json, and its
+    notes for the wall clock), a run of the current defaults."""
+    from hf_midx import MidxConfig
+
+    section = readme().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    notes_path = REPO / next(t for _, t in LINK.findall(section) if not t.startswith("http"))
+    assert notes_path.is_relative_to(REPO / "recipes/benchmarks/results"), notes_path
+    notes = notes_path.read_text(encoding="utf-8")
+    results = json.loads((notes_path.parent / "results.json").read_text(encoding="utf-8"))
+    command = re.search(r"^```bash\n(python recipes/wikitext2.py [^\n]*)\n```", section, re.M).group(1)
+    assert command in notes and results["recipe"] == "wikitext2" and results["complete"]
+    assert results["global_step"] == int(command.split("--max_steps ")[1].split()[0]) and results["seed"] == 42
+    minutes = int(re.search(r"about (\d+) minutes on a 2-core CPU", section).group(1))
+    wall = int(re.search(r"wall clock, `/usr/bin/time` \| (\d+) s", notes).group(1))
+    assert round(wall / 60) == minutes and f"about {minutes} minutes" in notes
+    valid, test = re.search(r"validation / test perplexity ([\d.]+) / ([\d.]+) \(seed 42\)", section).groups()
+    assert (valid, test) == (f"{results['valid_perplexity']:.1f}", f"{results['test_perplexity']:.1f}")
+    # The run is of today's defaults (the recipe's seed and the exact head "auto" chose aside).
+    defaults = MidxConfig().to_dict()
+    differ = {k: v for k, v in results["midx_config"].items() if k not in ("seed", "exact_head") and defaults[k] != v}
+    assert not differ, f"the committed Quick start run used other defaults: {differ}; run it again"
 
 
 def test_config_table_matches_midx_config_and_the_recipe():

@@ -741,7 +741,7 @@ def test_resuming_a_checkpoint_of_another_configuration_is_one_line_and_leaves_t
     shutil.copytree(step2, cut)
     (cut / "trainer_state.json").unlink()
     cases = {
-        "codebook_size: checkpoint '32', model '16'": (midx, "midx-rq", ["--codebook_size", "16"], str(step2)),
+        "codebook_size: checkpoint 32, now 16": (midx, "midx-rq", ["--codebook_size", "16"], str(step2)),
         "was trained with a MIDX head": (midx, "full", [], str(step2)),
         "has no midx_state.safetensors": (full, "midx-rq", [], str(full / "checkpoint-2")),
         "has no trainer_state.json": (midx, "midx-rq", [], str(cut)),

@@ -93,7 +93,8 @@ class HostBinding:
 
     It holds the removable handles of a forward pre-hook and a forward hook on the host, the host's
     own ``loss_function`` (replaced on the instance by :meth:`loss_function`) and ``loss_type``, and
-    where ``labels`` sits among the forward's positional arguments. :meth:`remove` undoes all of it.
+    where ``labels`` sits among the forward's positional arguments; the host's ``resize_token_embeddings`` is
+    :meth:`refuse_resize` while wrapped. :meth:`remove` undoes all of it.
 
     Per host call, the pre-hook looks at the call's ``labels``:
 
@@ -154,6 +155,9 @@ class HostBinding:
         host.loss_function = self.loss_function
         if registry.get(self.saved_loss_type) is not registry[_CAUSAL_LM_LOSS_TYPE]:
             host.loss_type = _CAUSAL_LM_LOSS_TYPE
+        # transformers' own resize refuses the head with a TypeError that names no way out: this instance's
+        # method says it instead (the class is untouched; remove() deletes it).
+        host.resize_token_embeddings = self.refuse_resize
         self.head.binding = self
 
     def remove(self) -> None:
@@ -169,8 +173,19 @@ class HostBinding:
                 _own_loss_function(host, remove=True)
         if getattr(host, "loss_type", None) == _CAUSAL_LM_LOSS_TYPE:
             host.loss_type = self.saved_loss_type
+        if host.__dict__.get("resize_token_embeddings") == self.refuse_resize:
+            del host.__dict__["resize_token_embeddings"]
         self.reset()
         self.head.binding = None
+
+    def refuse_resize(self, *args, **kwargs):
+        """Installed as the host's ``resize_token_embeddings``: the index and the exact head are built for this
+        vocabulary, so a wrapped model is not resized; raises ValueError saying the order that works."""
+        raise ValueError(
+            f"resize_token_embeddings on a model wrapped by hf_midx.wrap: its MIDX index is built for V = "
+            f"{self.head.num_classes}. Call hf_midx.unwrap(model), then model.resize_token_embeddings(...), then "
+            "hf_midx.wrap(model, config, class_counts=...) with counts of the new vocabulary size."
+        )
 
     def reset(self) -> None:
         """End the current call: full logits again, nothing kept."""

@@ -6,7 +6,8 @@ on the schedule of :mod:`hf_midx.integration.refresh_schedule` (``refresh_every_
 measured cost by default, a fixed one, or never; each rebuild logged with its reason) and/or at each epoch start (:mod:`hf_midx.integration.distributed`: gathered,
 rebuilt on rank 0, broadcast); trains learned codebooks every step (:mod:`hf_midx.integration.learned_codebooks`); adds to
 each log entry with ``loss`` the proposal diagnostics (``midx/kl``...) and ``midx/train_loss_exact``, the exact
-loss of the last micro-batch (the Trainer's ``loss`` is the *sampled* objective), averaged over processes;
+loss of the last micro-batch on the weights its loss saw (measured before the optimizer step; the Trainer's ``loss``
+is the *sampled* objective's estimate), averaged over processes;
 adds ``eval_perplexity`` to evaluation metrics and leaves TRL's NaN ``entropy`` / ``mean_token_accuracy`` out of
 training logs (:mod:`hf_midx.integration.log_entries`);
 writes the sampler state into every checkpoint and restores it on resume (:mod:`hf_midx.integration.checkpoint`), so a
@@ -30,6 +31,7 @@ import warnings
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import DefaultFlowCallback
+from transformers.trainer_utils import IntervalStrategy
 
 from .checkpoint import explain_tied_weights, load_head_state, read_head_state, save_head_state
 from .distributed import (broadcast_sampler, full_head_weight, local_device, mean_over_ranks, refresh_head,
@@ -94,6 +96,7 @@ class MidxCallback(TrainerCallback):
         self._saved_folder: str | None = None
         self._full_softmax = FullSoftmaxMetrics()
         self._trainer_name: str | None = None
+        self._exact_before_step: torch.Tensor | None = None  # this step's midx/train_loss_exact, on the device
 
     @classmethod
     def install(cls, trainer, *, resume_from_checkpoint: str | os.PathLike | None = None) -> "MidxCallback":
@@ -152,7 +155,7 @@ class MidxCallback(TrainerCallback):
                 "has them). Call MidxCallback.install(trainer) instead of passing callbacks=[MidxCallback()].",
                 stacklevel=2,
             )
-        self._pending, self._saved_folder = {}, None
+        self._pending, self._saved_folder, self._exact_before_step = {}, None, None
         head.step_data.clear(local_device(head.weight))  # where the model now trains
         head.step_data.scheduled = True  # the host binding's "no MidxCallback" warning stays quiet
         self._nonfinite.start(state.global_step, state.epoch)
@@ -171,7 +174,7 @@ class MidxCallback(TrainerCallback):
             folder = find_resume_folder(candidates, state.global_step)
             saved = read_head_state(folder, head, rank=args.process_index, world_size=args.world_size,
                                     check_extra=None if self.codebooks is None else self.codebooks.check_saved)
-            load_head_state(saved, head, self.codebooks, seed=seed)
+            load_head_state(saved, head, self.codebooks, seed=seed, rank=args.process_index)
             self.last_refresh_step = saved.last_refresh_step
             explain_tied_weights(model, head)
         self.schedule = RefreshSchedule(config)
@@ -192,6 +195,14 @@ class MidxCallback(TrainerCallback):
                 and not self._idle() and state.epoch is not None and float(state.epoch).is_integer()
                 and state.global_step != self.last_refresh_step):  # fmt: skip
             self.refresh(state, reason="the start of an epoch (refresh_every_epoch)")
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        # midx/train_loss_exact on the weights the step's loss saw, at the steps that will log it; kept on the
+        # device until the log (no sync here). DeepSpeed's engine steps inside backward: there it is after the step.
+        head = self.head
+        if head is not None and head.step_data.last_batch is not None and logs_after_step(args, state):
+            with full_head_weight(head) as (weight, bias):
+                self._exact_before_step = mean_over_ranks(head.last_batch_exact_loss(weight, bias))
 
     def on_step_end(self, args, state, control, **kwargs):
         head = self.head
@@ -325,7 +336,8 @@ class MidxCallback(TrainerCallback):
         self._pending["midx/refresh_interval"] = float(self.schedule.interval)
 
     def _measure(self) -> None:
-        """The proposal diagnostics and the exact loss of the last micro-batch, for the next log entry."""
+        """The proposal diagnostics and the exact loss of the last micro-batch (measured before the optimizer
+        step where :func:`logs_after_step` foresaw the log), for the next log entry."""
         head = self.head
         if head.step_data.queries is None:
             return
@@ -336,7 +348,10 @@ class MidxCallback(TrainerCallback):
                 for key, value in head.proposal_diagnostics(head.step_data.queries, weight, bias).items():
                     if key != "head_mass" or head.exact_ids is not None:
                         self._pending["midx/kl" if key == "kl_qp" else f"midx/{key}"] = mean_over_ranks(value)
-            self._pending["midx/train_loss_exact"] = mean_over_ranks(head.last_batch_exact_loss(weight, bias))
+            if self._exact_before_step is None:  # a log no step foresaw (logging_strategy="epoch")
+                self._exact_before_step = mean_over_ranks(head.last_batch_exact_loss(weight, bias))
+            self._pending["midx/train_loss_exact"] = self._exact_before_step
+        self._exact_before_step = None
         if head.step_data.z_loss is not None:  # the last micro-batch's, as the exact loss
             self._pending["midx/z_loss"] = mean_over_ranks(head.step_data.z_loss.float())
 
@@ -348,19 +363,19 @@ class MidxCallback(TrainerCallback):
         @functools.wraps(save_model)
         def save_model_with_midx(output_dir: str | None = None, _internal_call: bool = False) -> None:
             output_dir = os.fspath(trainer.args.output_dir if output_dir is None else output_dir)
-            head = self.head or find_head(trainer.model)
+            head = find_head(trainer.model)  # None after hf_midx.unwrap: a plain model, saved as one
             checkpoint = f"checkpoint-{trainer.state.global_step}"
-            if self.head is not None and os.path.basename(os.path.normpath(output_dir)) == checkpoint:
+            if head is not None and self.head is head and os.path.basename(os.path.normpath(output_dir)) == checkpoint:
                 self.save(output_dir, trainer.args)  # before the Trainer's files, so that a pushed checkpoint has it
             save_model(output_dir, _internal_call=_internal_call)
             if head is not None and trainer.args.should_save:
-                head.config.save_pretrained(output_dir, chosen=self._chosen())
+                head.config.save_pretrained(output_dir, chosen=self._chosen() if head is self.head else None)
                 if not _internal_call:
                     write_model_card(trainer, output_dir, head.config, num_classes=head.num_classes)
 
         @functools.wraps(create_model_card)
         def create_midx_model_card(**card_args) -> None:
-            head = self.head or find_head(trainer.model)
+            head = find_head(trainer.model)
             if head is None:
                 return create_model_card(**card_args)
             if trainer.is_world_process_zero():
@@ -371,4 +386,14 @@ class MidxCallback(TrainerCallback):
         trainer.save_model, trainer.create_model_card = save_model_with_midx, create_midx_model_card
 
 
-__all__ = ["MidxCallback", "MidxNonFiniteError", "refresh_index"]
+def logs_after_step(args, state) -> bool:
+    """True when the optimizer step about to be taken (``state.global_step + 1``) is one the Trainer's flow
+    callback logs after: the first with ``logging_first_step``, or a multiple of ``logging_steps``. A
+    ``logging_strategy="epoch"`` log is not foreseen (the epoch's last step is not known here)."""
+    step = state.global_step + 1
+    if step == 1 and args.logging_first_step:
+        return True
+    return args.logging_strategy == IntervalStrategy.STEPS and step % state.logging_steps == 0
+
+
+__all__ = ["MidxCallback", "MidxNonFiniteError", "logs_after_step", "refresh_index"]

@@ -17,30 +17,39 @@ logger = logging.getLogger(__name__)
 
 
 def read_head_state(folder: str, head, *, rank: int = 0, world_size: int = 1,
-                    check_extra: Callable[[dict, dict, str], None] | None = None) -> SavedState:
+                    check_extra: Callable[[dict, dict, str], None] | None = None, config=None) -> SavedState:
     """Read ``folder``'s MIDX state and check it against ``head`` (and its learned codebooks); loads nothing.
 
     ``check_extra(extra, metadata, folder)`` checks the tensors and strings saved beside the sampler's: with
     ``codebooks="learned"``, :meth:`hf_midx.integration.learned_codebooks.CodebookTraining.check_saved`.
+    ``config``: the MidxConfig the resumed run will train with, where it is not yet the head's (MidxTrainer checks
+    before the callback hands the Trainer's ``label_smoothing_factor`` to the head); default ``head.config``.
 
     Raises:
-        ValueError: no MIDX state, or one made for another vocabulary, hidden size, sampler, codebook size,
-            quantizer, codebook mode or exact head.
+        ValueError: no MIDX state, one made for another vocabulary, hidden size, sampler, codebook size,
+            quantizer, codebook mode or exact head, or a config field changed that a resume refuses
+            (:mod:`hf_midx.integration.resume_fields`).
     """
     sampler = head.sampler_state()
     facts = checkpoint_facts(head.config, head.num_classes, head.in_features, sampler)
-    saved = read_state(folder, facts=facts, sampler=sampler, exact_ids=head.exact_ids, rank=rank, world_size=world_size)
+    saved = read_state(folder, facts=facts, sampler=sampler, exact_ids=head.exact_ids, rank=rank, world_size=world_size,
+                       config=head.config if config is None else config)
     if check_extra is not None:
         check_extra(saved.extra, saved.metadata, folder)
     return saved
 
 
-def load_head_state(saved: SavedState, head, codebooks, *, seed: int) -> None:
+def load_head_state(saved: SavedState, head, codebooks, *, seed: int, rank: int = 0) -> None:
     """Load a :func:`read_head_state` result into the head's sampler (and ``codebooks``, the callback's
     :class:`~hf_midx.integration.learned_codebooks.CodebookTraining` or None: handed in, so this module stays below it).
 
-    ``seed`` restarts this rank's generator when the checkpoint has no generator file for it (warned).
+    ``seed`` restarts this rank's generator when the checkpoint has no generator file for it (warned). Config
+    changes a resume accepts (``saved.changes``) are said in one log line, by rank 0.
     """
+    if saved.changes and rank == 0:
+        logger.warning(
+            "hf_midx: resuming from %s with another MidxConfig (%s): the run goes on, but it is no longer the one an "
+            "uninterrupted run would have been.", saved.checkpoint, "; ".join(saved.changes))
     rng = CounterRNG(seed).get_state() if saved.rng is None else saved.rng
     head.load_sampler_state({**saved.sampler, GENERATOR_KEY: rng})
     if codebooks is not None:

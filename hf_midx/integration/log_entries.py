@@ -38,8 +38,9 @@ class FullSoftmaxMetrics:
         self.warned = False
 
     def drop(self, logs: dict[str, float]) -> list[str]:
-        """Remove them from ``logs`` (a training entry: one with ``loss``); returns the removed keys."""
-        if "loss" not in logs:
+        """Remove them from ``logs`` (a training entry: one with ``loss``, or the training summary, with
+        ``train_runtime``, where TRL puts the steps' values when no step was logged); returns the removed keys."""
+        if "loss" not in logs and "train_runtime" not in logs:
             return []
         dropped = [k for k in FULL_SOFTMAX_METRICS if isinstance(logs.get(k), float) and math.isnan(logs[k])]
         for key in dropped:

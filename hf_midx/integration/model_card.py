@@ -311,6 +311,7 @@ def render_model_card(
         eval_table=eval_table or "",
         versions=versions(),
         hf_midx_version=__version__,
+        adapter=library_name == "peft",  # a PEFT adapter: loaded with peft, on its base model
     )
     return extend_model_card(card, sections=sections)
 

@@ -32,7 +32,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .._io import atomic_write
+from ..config import CONFIG_NAME
 from ..version import __version__
+from .resume_fields import config_changes
 
 #: The sampler, learned codebooks and their optimizer, written by one process.
 MIDX_STATE_NAME = "midx_state.safetensors"
@@ -53,7 +55,9 @@ class SavedState:
     """What :func:`read_state` found in a checkpoint, validated; nothing loaded yet.
 
     ``sampler``: the sampler's tensors without the generator; ``rng``: this rank's (2,) int64 generator
-    state, or None; ``extra``: the other tensors (the learned codebooks'); ``metadata``: the strings.
+    state, or None; ``extra``: the other tensors (the learned codebooks'); ``metadata``: the strings;
+    ``changes``: the config fields changed since the checkpoint that a resume accepts
+    (:mod:`hf_midx.integration.resume_fields`), each ``"name: checkpoint <value>, now <value>"``.
     """
 
     checkpoint: str
@@ -61,6 +65,7 @@ class SavedState:
     rng: torch.Tensor | None
     extra: dict[str, torch.Tensor]
     metadata: dict[str, str] = field(default_factory=dict)
+    changes: list[str] = field(default_factory=list)
 
     @property
     def last_refresh_step(self) -> int:
@@ -162,6 +167,7 @@ def read_state(
     facts: Mapping[str, str],
     sampler: Mapping[str, torch.Tensor],
     exact_ids: torch.Tensor | None = None,
+    config=None,
     rank: int = 0,
     world_size: int = 1,
 ) -> SavedState:
@@ -171,8 +177,11 @@ def read_state(
         facts: the model's :func:`checkpoint_facts`.
         sampler: the model's sampler tensors (names and shapes are compared; the generator is ignored).
         exact_ids: the model's (H,) exact-head ids, or None.
+        config: the model's :class:`~hf_midx.MidxConfig` as its head uses it, compared with the checkpoint's
+            ``midx_config.json`` field by field (:mod:`hf_midx.integration.resume_fields`), or None.
     Raises:
-        ValueError: no MIDX state in the folder, another format, or a state made for another
+        ValueError: no MIDX state in the folder, another format, a config field changed that the resumed run
+            would compute differently (each named with both values), or a state made for another
             vocabulary, hidden size, sampler, codebook size, quantizer, codebook mode or exact head.
     """
     path = os.path.join(folder, MIDX_STATE_NAME)
@@ -185,13 +194,20 @@ def read_state(
     tensors, metadata = _load(path)
     if metadata.get("format") != _FORMAT:
         raise ValueError(f"{path!r} is not an hf-midx trainer state (format {metadata.get('format')!r}).")
-    differ = [f"{k}: checkpoint {metadata.get(k)!r}, model {v!r}" for k, v in facts.items() if metadata.get(k) != v]
-    if differ:
+    refused, noted = [], []
+    config_file = os.path.join(folder, CONFIG_NAME)
+    if config is not None and os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            refused, noted = config_changes(json.load(f), config)
+    named = {entry.split(":", 1)[0] for entry in refused}
+    refused += [f"{k}: checkpoint {metadata.get(k)!r}, now {v!r}" for k, v in facts.items()
+                if metadata.get(k) != v and k not in named]  # fmt: skip
+    if refused:
         raise ValueError(
-            f"Cannot resume from {folder!r}: its MIDX state does not match this model's head ("
-            + "; ".join(differ)
-            + "). Resume with the same vocabulary, hidden size and MidxConfig(sampler, codebook_size, "
-            "codebooks), or start a new run without resume_from_checkpoint."
+            f"Cannot resume from {folder!r}: its MIDX state was made for another head or MidxConfig, so the resumed "
+            "run would not be the uninterrupted one (" + "; ".join(refused) + "). Resume with the checkpoint's "
+            f"vocabulary, hidden size and MidxConfig (its {CONFIG_NAME}), or start a new run without "
+            "resume_from_checkpoint."
         )
     sampler_state = {k[len("sampler.") :]: v for k, v in tensors.items() if k.startswith("sampler.")}
     expected = {k: v for k, v in sampler.items() if k != GENERATOR_KEY}
@@ -226,7 +242,7 @@ def read_state(
             stacklevel=2,
         )
     extra = {k: v for k, v in tensors.items() if not k.startswith("sampler.")}
-    return SavedState(checkpoint=folder, sampler=sampler_state, rng=rng, extra=extra, metadata=metadata)
+    return SavedState(checkpoint=folder, sampler=sampler_state, rng=rng, extra=extra, metadata=metadata, changes=noted)
 
 
 def find_resume_folder(candidates: list, step: int) -> str:

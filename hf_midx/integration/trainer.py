@@ -138,12 +138,17 @@ class MidxTrainer(PerplexityMixin, ExactEvaluationMixin, Trainer):
         anything is written.
 
         Raises:
-            ValueError: no MIDX state (a plain Trainer's checkpoint), or one made for another vocabulary,
-                hidden size, sampler, codebook size, quantizer or codebook mode, or another number of processes.
+            ValueError: no MIDX state (a plain Trainer's checkpoint), one made for another vocabulary, hidden
+                size, sampler, codebook size, quantizer or codebook mode, or another number of processes, or a
+                MidxConfig field changed that a resume refuses (:mod:`hf_midx.integration.resume_fields`).
         """
-        learned = self.midx_head.config.codebooks == "learned"
+        config = self.midx_head.config
+        factor = float(self.args.label_smoothing_factor or 0.0)
+        if factor and config.label_smoothing == 0.0:  # what the callback hands the head at train start
+            config = config.replace(label_smoothing=factor)
         read_head_state(os.fspath(checkpoint), self.midx_head, rank=self.args.process_index,
-                        world_size=self.args.world_size, check_extra=CodebookTraining.check_saved if learned else None)
+                        world_size=self.args.world_size, config=config,
+                        check_extra=CodebookTraining.check_saved if config.codebooks == "learned" else None)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         """``Trainer.train``; a MIDX checkpoint is checked against the model before anything is loaded

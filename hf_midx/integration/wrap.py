@@ -33,6 +33,11 @@ def wrap(
 ) -> nn.Module:
     """Replace the model's output layer by a ``MidxLMHead`` (in place); returns the same model.
 
+    While wrapped, ``resize_token_embeddings`` raises ValueError (the index is built for this V): unwrap, resize,
+    wrap again. A PEFT model's ``merge_and_unload()`` returns the base model with the MIDX head still in place
+    (it trains sampled; ``save_pretrained`` writes a plain model either way): ``hf_midx.unwrap(merged)`` gives
+    the ``nn.Linear`` back.
+
     Args:
         model: a causal LM (``AutoModelForCausalLM``), possibly inside a PEFT wrapper, whose
             ``get_output_embeddings()`` is an ``nn.Linear`` (tied or not, with or without bias).
@@ -66,6 +71,15 @@ def wrap(
         raise ValueError(
             f"num_samples={config.num_samples} is not smaller than the vocabulary size {vocab}: sampling buys "
             f"nothing; lower num_samples (e.g. to {max(1, vocab // 10)}) or train with the full softmax."
+        )
+    if class_counts is not None and not bool(torch.as_tensor(class_counts).any()):
+        warnings.warn(
+            "hf_midx.wrap: class_counts are all zero, so the exact head, the unigram mixture and the frequency "
+            "order they set mean nothing (every class ties). Pass the counts of the training tokens, "
+            f"hf_midx.token_counts(ids, {vocab}) (labels of -100 are left out: are all of yours ignored?), or "
+            "class_counts=None.",
+            UserWarning,
+            stacklevel=2,
         )
     host = _find_host(model, linear)
     loss_fn = host.loss_function

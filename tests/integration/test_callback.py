@@ -178,6 +178,25 @@ def test_a_one_epoch_run_with_the_defaults_rebuilds_the_index_and_says_why(tmp_p
     assert all(0 < e["midx/refresh_share"] < 1 for e in trainer.state.log_history if "midx/refresh_share" in e)
 
 
+def test_logged_exact_loss_is_of_the_weights_the_step_saw(tmp_path):
+    """midx/train_loss_exact is measured before the optimizer step: one step at a large learning rate, one batch
+    (the whole dataset), and the logged value is the exact loss of the weights as they were (llama: no dropout)."""
+    model = tiny_model("llama", vocab_size=VOCAB)
+    reference = clone_model(model)
+    rows = markov_rows(8)
+    hf_midx.wrap(model, num_samples=24, codebook_size=8, kmeans_iters=5)
+    args = training_args(tmp_path, max_steps=1, logging_steps=1, learning_rate=0.1)
+    trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(rows))
+    MidxCallback.install(trainer)
+    trainer.train()
+    with torch.no_grad():
+        before = float(reference(input_ids=rows, labels=rows).loss)
+        after = float(clone_model(model)(input_ids=rows, labels=rows).loss)
+    logged = _per_step(trainer, "midx/train_loss_exact")[1]
+    assert abs(after - before) > 0.01  # the step moved the loss: a value measured after it would show
+    assert logged == pytest.approx(before, rel=1e-4), (logged, before, after)
+
+
 def test_exact_loss_of_the_last_batch_matches_the_model():
     """The logged midx/train_loss_exact: the exact loss of the last sampled call's tokens (llama: no dropout)."""
     model = tiny_model("llama")
@@ -259,16 +278,17 @@ def test_no_host_sync_between_checks(tmp_path):
     callback = MidxCallback()
     args = training_args(tmp_path)
     state, control = TrainerState(), TrainerControl()
-    state.max_steps = 10
+    state.max_steps, state.logging_steps = 10, 2
     callback.on_train_begin(args, state, control, model=model)
     ids = torch.randint(model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     model.train()
     counts = []
     for step in (1, 2):
         model(input_ids=ids, labels=ids).loss.backward()
-        state.global_step = step
-        control.should_log = step == 2
         with SyncCounter() as counter:
+            callback.on_pre_optimizer_step(args, state, control)  # the exact loss of a logging step, before it
+            state.global_step = step
+            control.should_log = step == 2
             callback.on_step_end(args, state, control)
         counts.append(sum(counter.counts.values()))
     assert counts[0] == 0, counts
@@ -397,6 +417,14 @@ def test_plain_trainer_save_model_writes_midx_config_and_card(tmp_path):
     again = MidxCallback.install(trainer)  # a second install wraps save_model once
     assert again is next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MidxCallback))
     assert not getattr(trainer.save_model.__wrapped__, "midx_wrapped", False)
+    # Unwrapped, the model is a plain one: saved without midx_config.json nor a MIDX card (both were written).
+    hf_midx.unwrap(trainer.model)
+    trainer.save_model(str(tmp_path / "plain"))
+    saved = set(os.listdir(tmp_path / "plain"))
+    assert "model.safetensors" in saved and "midx_config.json" not in saved, saved
+    assert "README.md" not in saved or "hf-midx" not in (tmp_path / "plain" / "README.md").read_text()
+    trainer.create_model_card()
+    assert "hf-midx" not in (tmp_path / "run" / "README.md").read_text()
 
 
 @pytest.mark.parametrize("name", sorted(hf_midx.SAMPLERS))

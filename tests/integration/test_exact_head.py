@@ -54,6 +54,17 @@ def test_default_config_with_counts_builds_the_unigram_mixture_silently():
     assert head.sampler.mix_static == "unigram" and head.sampler.mix_weight == MidxConfig().mix_weight
 
 
+def test_all_zero_counts_warn_once_and_say_the_fix():
+    """Zero counts (e.g. token_counts of labels that are all -100) tie every class: the exact head and the unigram
+    mixture they set mean nothing; wrap says so once (was silent)."""
+    model = tiny_model("gpt2")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf_midx.wrap(model, MidxConfig(codebook_size=8, num_samples=16), class_counts=torch.zeros(VOCAB))
+    said = [str(w.message) for w in caught if "class_counts are all zero" in str(w.message)]
+    assert len(said) == 1 and f"hf_midx.token_counts(ids, {VOCAB})" in said[0]
+
+
 @pytest.mark.parametrize("negatives", ["per-query", "shared"])
 def test_exact_head_takes_the_most_frequent_classes_out_of_the_proposal(negatives):
     model = tiny_model("llama")

@@ -94,7 +94,12 @@ def _check_lora_run(trainer, lora, tmp_path, caplog):
     assert losses[-1] < losses[0], losses
     trainer.save_model(str(tmp_path / "adapter"))
     assert "adapter_model.safetensors" in os.listdir(tmp_path / "adapter")
-    assert "| LM head | frozen" in (tmp_path / "adapter" / "README.md").read_text()  # the card says so
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    assert "| LM head | frozen" in card  # the card says so
+    # An adapter: not "trained from scratch", and loaded with peft (was: AutoModelForCausalLM).
+    assert "This model is a PEFT adapter for the base model its `adapter_config.json` names." in card, card[:1500]
+    assert "trained from scratch" not in card and "AutoPeftModelForCausalLM.from_pretrained" in card
+    assert "load it with `AutoModelForCausalLM" not in card and "library_name: peft" in card
     return losses
 
 

@@ -358,6 +358,7 @@ def test_unwrap_restores_the_original_model():
     assert {n: id(p) for n, p in model.named_parameters()} == param_ids
     assert dict(model._forward_pre_hooks) == pre_hooks and dict(model._forward_hooks) == hooks
     assert "_loss_function" not in model.__dict__ and model.loss_function is ForCausalLMLoss
+    assert "resize_token_embeddings" not in model.__dict__
     assert find_head(model) is None
     ids = _ids()
     model.train()
@@ -368,6 +369,26 @@ def test_unwrap_restores_the_original_model():
     # and it can be wrapped again
     hf_midx.wrap(model, **SMALL)
     assert find_head(model) is not None
+
+
+@pytest.mark.parametrize("through_peft", [False, True], ids=["model", "peft"])
+def test_resizing_a_wrapped_model_says_unwrap_resize_wrap(through_peft):
+    """transformers' own resize raised "Old language model head is of type MidxLMHead, which is not an instance of
+    nn.Linear"; the wrapped instance says the order that works, and after unwrap the resize is transformers' own."""
+    model = tiny_model("gpt2")
+    outer = model
+    if through_peft:
+        peft = pytest.importorskip("peft")
+        outer = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["c_attn"]))
+    hf_midx.wrap(outer, **SMALL)
+    with pytest.raises(ValueError, match=r"hf_midx.unwrap\(model\), then model.resize_token_embeddings"):
+        outer.resize_token_embeddings(VOCAB + 8)
+    assert find_head(outer).num_classes == VOCAB  # nothing changed
+    hf_midx.unwrap(outer)
+    outer.resize_token_embeddings(VOCAB + 8)
+    assert model.get_output_embeddings().weight.shape[0] == VOCAB + 8
+    hf_midx.wrap(outer, **SMALL)
+    assert find_head(outer).num_classes == VOCAB + 8
 
 
 def test_unwrap_keeps_a_custom_loss_function():
@@ -497,8 +518,10 @@ def test_lora_backbone_train_merge_unwrap():
     assert after < before - 0.2, (before, after)
     assert sum(losses[-4:]) < sum(losses[:4])
 
-    merged = lora.merge_and_unload()
+    merged = lora.merge_and_unload()  # the base model, its head still the MIDX one (documented in wrap)
     assert find_head(merged) is head
+    merged.train()
+    assert merged(input_ids=held[0], labels=held[0]).logits.shape[-1] == 0  # still trains sampled
     hf_midx.unwrap(merged)
     assert type(merged.lm_head) is nn.Linear
     merged.eval()

@@ -106,6 +106,23 @@ def test_sft_trainer_trains_through_the_sampler(tmp_path, recwarn):
     assert sum("left out of the training logs" in str(w.message) for w in recwarn) == 1
 
 
+def test_the_final_summary_has_no_nan_when_no_step_was_logged(tmp_path, recwarn):
+    """With no per-step log (logging_steps past max_steps), TRL puts the steps' NaN entropy and token accuracy into
+    the training summary (train_runtime, train_loss): left out there too, with the one warning."""
+    train = datasets.Dataset.from_dict({"input_ids": markov_rows(16).tolist()})
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, logging_steps=10,
+                         save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, max_length=SEQ,
+                         dataset_num_proc=None)  # fmt: skip
+    trainer = trl.SFTTrainer(model=_wrapped(), args=args, train_dataset=train, processing_class=_tokenizer())
+    MidxCallback.install(trainer)
+    trainer.train()
+    summary = trainer.state.log_history[-1]
+    assert "train_runtime" in summary and "loss" not in summary
+    assert not any(isinstance(v, float) and math.isnan(v) for v in summary.values()), summary
+    assert "entropy" not in summary and "mean_token_accuracy" not in summary
+    assert sum("left out of the training logs" in str(w.message) for w in recwarn) == 1
+
+
 def test_fused_output_is_the_sampled_loss_in_training_and_exact_in_eval():
     """Under log_probs="sampled" (what "auto" makes of SFTTrainer's plain NLL; tests/integration/test_post_training.py
     has the exact calls of the other trainers)."""
