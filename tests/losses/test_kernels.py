@@ -393,6 +393,40 @@ def test_int32_ids_and_all_ignored():
     assert loss.item() == 0.0 and all(bool((g == 0).all()) for g in grads)
 
 
+def noncontiguous(x):
+    """x's values in a view that is not contiguous (every other element of a buffer twice as wide along the last
+    dim, so that a matrix's rows are strided too), a leaf that requires grad where x does."""
+    wide = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
+    view = wide[..., ::2]
+    view.copy_(x.detach())
+    return view.requires_grad_(x.requires_grad)
+
+
+def sampled_fused(case, **kw):
+    """hf_midx.sampled_softmax_loss on the case's draws through the fused kernels."""
+    return sampled_softmax_loss(case.hidden, case.weight, case.labels, fixed_draws(case), case.ids.shape[1],
+                                bias=case.bias, exact_ids=case.head, check_labels=False, kernels="fused", **kw)
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "loss, name",
+    [(fused, name) for name in Case._fields] + [(sampled_fused, name) for name in ("hidden", "weight", "bias", "labels",
+                                                                                   "head")],
+    ids=lambda x: x if isinstance(x, str) else x.__name__,
+)
+def test_a_strided_argument_is_read_as_its_contiguous_copy(loss, name):
+    """Every tensor argument of the public losses as a strided view (stride 2; a matrix's rows strided too) gives
+    the loss and gradients of its contiguous copy, bit for bit: before, the kernels read labels and bias with
+    stride 1 (a stride-2 labels view moved this case's summed loss)."""
+    case = make_case(64, 1000, 32, 8, 32, seed=3)
+    want = run(loss, case, reduction="sum")
+    got = run(loss, case._replace(**{name: noncontiguous(getattr(case, name))}), reduction="sum")
+    print(f"\n{loss.__name__}, strided {name}: summed loss {float(got[0]):.4f}, contiguous {float(want[0]):.4f}")
+    for what, x, ref in zip(("loss", "grad hidden", "grad weight", "grad bias"), got, want):
+        assert torch.equal(x, ref), what
+
+
 @interpreted
 def test_midx_draws():
     """Draws of the default MIDX proposal (its own log q, labels' log q from the same evaluation)."""

@@ -125,8 +125,11 @@ class FusedCandidateLoss(torch.autograd.Function):
         num_head = 0 if head_ids is None else head_ids.numel()
         interpreted = not torch.compiler.is_compiling() and triton_interpreting()
         blocks = blocks or Blocks.choose(num_tokens, dim, rows_per_token, interpreted)
-        hidden = hidden.contiguous()
-        weight = weight.contiguous()
+        # The kernels read hidden's and weight's rows through their stride but every other tensor, and the elements
+        # of a row, with stride 1: a strided view (labels[::2], a bias sliced from a wider one) is copied once here,
+        # where it reaches the kernels; a contiguous tensor passes as is.
+        hidden, weight, labels, ids, log_q = (x.contiguous() for x in (hidden, weight, labels, ids, log_q))
+        bias, log_q_pos = (None if x is None else x.contiguous() for x in (bias, log_q_pos))
         device = hidden.device
         f32 = torch.float32
         if num_head:
@@ -165,6 +168,7 @@ class FusedCandidateLoss(torch.autograd.Function):
                 count = total[1].clamp_min(1)
                 out = out / count
         spread = (None, None, None) if factors is None else (factors.bucket, factors.member, factors.static)
+        spread = tuple(None if x is None else x.contiguous() for x in spread)
         ctx.save_for_backward(hidden, weight, w_head, head_ids, rows, g_cand, g_head, count, *spread)
         ctx.num_head, ctx.blocks = num_head, blocks
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -376,8 +380,7 @@ def candidate_loss(
         if not torch.compiler.is_compiling():
             check_fused(hidden)
         return FusedCandidateLoss.apply(
-            hidden, weight, bias, labels, ids.contiguous(), log_q.float().contiguous(),
-            None if not corrected_positive else log_q_pos.float().contiguous(),
+            hidden, weight, bias, labels, ids, log_q.float(), None if not corrected_positive else log_q_pos.float(),
             head_ids, int(ignore_index), float(logit_scale), logit_softcap,
             bool(corrected_positive), bool(remove_accidental_hits), bool(exact_value), reduction, None,
             bool(tail_control), factors,
