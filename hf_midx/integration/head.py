@@ -146,6 +146,22 @@ class MidxLMHead(nn.Module):
         return self.sampler
 
     # ------------------------------------------------------------------ the loss
+    def prepare_kernels(self, dtype: torch.dtype | None = None) -> None:
+        """Decide ``kernels="auto"`` for the head's device now, probing the fused kernels there
+        (:class:`~hf_midx.integration.kernel_guard.KernelGuard`), for the weight's dtype and ``dtype`` (the autocast
+        dtype a mixed-precision step runs the head's products in): before a step that ``torch.compile`` traces or a
+        CUDA graph captures, where no probe can run. :func:`hf_midx.wrap` and the callback's train begin call it; a
+        head not whole here (a ZeRO-3 or FSDP shard) is decided at its first eager call instead."""
+        weight = self.weight
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (self.num_classes, self.in_features):
+            return
+        if hasattr(weight, "full_tensor"):
+            return  # a DTensor shard
+        sampler = self._sampler_on(weight.device)
+        with torch.no_grad():
+            for d in dict.fromkeys(x for x in (weight.dtype, dtype) if x is not None):
+                self.kernel_guard.prepare(self.config, sampler, weight.to(d), self.bias, self.logit_softcap)
+
     @contextlib.contextmanager
     def exact_loss_only(self):
         """Within this context, model calls with labels return the exact full-softmax loss and (B, S, 0)

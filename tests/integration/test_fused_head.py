@@ -189,6 +189,22 @@ def test_a_launch_on_a_second_gpu_makes_that_gpu_current(monkeypatch):
     assert entered == [torch.device("cuda", 1)]
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_guard_passes_the_real_kernels(dtype):
+    """The first-call probe (random tokens hitting the exact head, the tail and ignored positions; T = 32 and 21, a
+    per-token upstream gradient, a trainable bias) finds the interpreted kernels within its tolerance of the eager
+    path in float32."""
+    from hf_midx.integration.head import MidxLMHead
+    from hf_midx.integration.kernel_guard import probe_fused
+
+    g = torch.Generator().manual_seed(0)
+    head = MidxLMHead(torch.nn.Linear(D, V, bias=True), MidxConfig(num_samples=M, codebook_size=8, kmeans_iters=3,
+                      exact_head=H), class_counts=torch.randint(1, 50, (V,), generator=g).double())
+    weight = head.weight.detach().to(dtype)
+    assert probe_fused(head.sampler, weight, head.bias.detach(), head.config) is None
+
+
 def test_auto_is_eager_on_the_cpu(fused_calls):
     """"auto" (the config's default) runs the eager path on CPU tensors, bit for bit, in the parent process and
     in the interpreted child alike."""
