@@ -428,6 +428,28 @@ def test_a_strided_argument_is_read_as_its_contiguous_copy(loss, name):
 
 
 @interpreted
+def test_float16_head_gradient_does_not_overflow():
+    """The exact head's weight gradient sums g_head[t] hidden[t] over the T tokens: in float16 before the mean's
+    1 / T, that sum overflows 65,504 where every label is one head class (g ~ -1) and the hidden states are 3.0
+    (T = 32,768: -inf before). The eager path's autograd scales before its sum; so must the kernels' backward."""
+    t, v, d, h, m = 32768, 64, 16, 16, 1
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.full((t, d), 3.0, dtype=torch.float16, requires_grad=True)
+    weight = (0.1 * torch.randn(v, d, generator=g)).half().requires_grad_(True)
+    head = torch.arange(h)
+    labels = torch.zeros(t, dtype=torch.long)
+    ids = torch.randint(h, v, (t, m), generator=g)
+    log_q = torch.full((t, m), -math.log(v - h))
+    log_q_pos = torch.full((t,), -math.inf)  # labels in the head: the proposal never draws them
+    case = Case(hidden, weight, None, labels, ids, log_q, log_q_pos, head)
+    got = run(fused, case)
+    want = truth(case)
+    print(f"\nfloat16 grad_weight[0, 0]: fused {float(got[2][0, 0]):.4f}, float64 {float(want[2][0, 0]):.4f}")
+    assert torch.isfinite(got[2]).all()
+    check_fp32(got, want, tol=2e-3)  # float16 rounding of the stored gradients
+
+
+@interpreted
 def test_midx_draws():
     """Draws of the default MIDX proposal (its own log q, labels' log q from the same evaluation)."""
     case = make_case(96, 1200, 32, 20, 32, seed=5)

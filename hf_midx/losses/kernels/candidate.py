@@ -219,13 +219,19 @@ class FusedCandidateLoss(torch.autograd.Function):
             if ctx.num_head:
                 # Head ids are distinct: index_add_ adds each row once, deterministically. A per-token scale goes on
                 # the hidden states' rows (T, D), a scalar one on the (H, D) product; either in float32 (a bfloat16
-                # copy of the scale would bias every head row by its rounding).
-                if gscale.dim():
-                    head_grad = g_head.t() @ (hidden.float() * gscale.unsqueeze(1)).to(hidden.dtype)
-                    head_bias = g_head.t().float() @ gscale if need_b else None
+                # copy of the scale would bias every head row by its rounding). In float16 a scalar one goes on the
+                # rows too, before the sum over T tokens, as the eager path's autograd puts it: the sum unscaled
+                # tops float16's 65,504 (T = 32,768 tokens of gradient ~ -1 against hidden states of 3.0: -inf).
+                per_token = gscale.dim() > 0
+                if per_token or hidden.dtype == torch.float16:
+                    scale = gscale.unsqueeze(1) if per_token else gscale
+                    head_grad = g_head.t() @ (hidden.float() * scale).to(hidden.dtype)
                 else:
                     head_grad = (g_head.t() @ hidden).float().mul_(gscale).to(weight.dtype)
-                    head_bias = g_head.sum(0, dtype=torch.float32) * gscale if need_b else None
+                if need_b and per_token:
+                    head_bias = g_head.t().float() @ gscale
+                elif need_b:
+                    head_bias = g_head.sum(0, dtype=torch.float32) * gscale
                 grad_weight.index_add_(0, head_ids, head_grad)
                 if need_b:
                     grad_bias.index_add_(0, head_ids, head_bias.to(grad_bias.dtype))
