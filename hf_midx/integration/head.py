@@ -24,6 +24,7 @@ from .diagnostics import proposal_diagnostics
 from .kernel_guard import KernelGuard
 from ..losses.exact_head import auto_exact_head, exact_head_ids
 from ..losses import full_softmax_loss, sampled_softmax_loss
+from ..losses.precision import product_dtype
 from ..registry import build_sampler  # any hf_midx import runs hf_midx/__init__, which registers the samplers
 from .step_data import StepData
 from .zero import check_whole, full_shape
@@ -205,10 +206,14 @@ class MidxLMHead(nn.Module):
         check_whole(weight)  # a ZeRO-3 slice outside the engine's forward: one clear error
         if reduction is None:
             reduction = "mean" if num_items_in_batch is None else "sum"
-        # The loss runs in the head weight's precision; autocast would recast inside the kernels.
+        # Under autocast the sampled loss multiplies in its dtype, as an nn.Linear head would (float32 accumulation,
+        # a float32 gradient back through the cast: hf_midx.losses.precision); the exact loss keeps the weight's
+        # precision. Either runs with autocast off: it would recast some of the loss's ops and not the kernels.
+        dtype = weight.dtype if exact else product_dtype(weight)
         autocast = torch.is_autocast_enabled(h.device.type)
         with torch.autocast(h.device.type, enabled=False) if autocast else contextlib.nullcontext():
-            raw = h = h.to(weight.dtype)
+            weight = weight.to(dtype)
+            raw = h = h.to(dtype)
             if self.logit_scale != 1.0:
                 h = h * self.logit_scale
                 bias = None if bias is None else bias * self.logit_scale

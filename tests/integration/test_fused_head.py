@@ -205,6 +205,22 @@ def test_the_guard_passes_the_real_kernels(dtype):
     assert probe_fused(head.sampler, weight, head.bias.detach(), head.config) is None
 
 
+@interpreted
+@pytest.mark.parametrize("kernels", ["fused", "eager"])
+def test_the_loss_under_autocast_multiplies_in_its_dtype(kernels):
+    """Under bf16 autocast with a float32 head and an exact head, the loss runs its products in bfloat16 (as an
+    nn.Linear head would) and gives float32 gradients: before, the fused backward crashed ("expected m1 and m2 to
+    have the same dtype": the head's logit gradient bfloat16 from an autocast GEMM, its weight float32)."""
+    p = problem(seed=3)
+    want, _ = loss_and_grads(p, kernels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = loss_and_grads(p, kernels)
+    assert [x.dtype for x in got] == [torch.float32] * 4
+    assert float(got[0]) == pytest.approx(float(want[0]), rel=1e-2)
+    for x, ref in zip(got[1:], want[1:]):
+        assert torch.nn.functional.cosine_similarity(x.flatten(), ref.flatten(), dim=0) > 0.99
+
+
 def test_auto_is_eager_on_the_cpu(fused_calls):
     """"auto" (the config's default) runs the eager path on CPU tensors, bit for bit, in the parent process and
     in the interpreted child alike."""

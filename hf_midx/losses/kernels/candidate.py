@@ -47,6 +47,7 @@ import math
 
 import torch
 
+from ..precision import autocast_products
 from ..tail_gradient import bucket_rows, bucket_table
 
 # Importing launch registers the kernels' launches as torch.ops.hf_midx custom ops.
@@ -309,6 +310,7 @@ def _finish(x, scale, cap):
 
 
 # ====================================================================== public entry point
+@autocast_products
 def candidate_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
