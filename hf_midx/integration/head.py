@@ -213,6 +213,7 @@ class MidxLMHead(nn.Module):
         autocast = torch.is_autocast_enabled(h.device.type)
         with torch.autocast(h.device.type, enabled=False) if autocast else contextlib.nullcontext():
             weight = weight.to(dtype)
+            bias = bias if bias is None or exact else bias.to(dtype)  # as nn.Linear's, with the weight
             raw = h = h.to(dtype)
             if self.logit_scale != 1.0:
                 h = h * self.logit_scale

@@ -27,9 +27,9 @@ def product_dtype(weight: torch.Tensor) -> torch.dtype:
 
 
 def autocast_products(loss):
-    """Decorate ``loss(hidden, weight, ...)``: under autocast on the weight's device, ``hidden`` (T, D) and
-    ``weight`` (V, D) cast to :func:`product_dtype` (differentiably: their gradients come back in their own dtypes)
-    and the loss run with autocast off; without autocast, the loss as is."""
+    """Decorate ``loss(hidden, weight, ..., bias=...)``: under autocast on the weight's device, ``hidden`` (T, D),
+    ``weight`` (V, D) and ``bias`` (V,) cast to :func:`product_dtype` (differentiably: their gradients come back in
+    their own dtypes) and the loss run with autocast off; without autocast, the loss as is."""
 
     @functools.wraps(loss)
     def in_product_dtype(hidden, weight, *args, **kwargs):
@@ -38,6 +38,8 @@ def autocast_products(loss):
         dtype = product_dtype(weight)
         if isinstance(hidden, torch.Tensor) and hidden.is_floating_point():
             hidden = hidden.to(dtype)
+        if isinstance(kwargs.get("bias"), torch.Tensor):
+            kwargs["bias"] = kwargs["bias"].to(dtype)  # as nn.Linear's: the kernels then are the pure bf16 step's
         with torch.autocast(weight.device.type, enabled=False):
             return loss(hidden, weight.to(dtype), *args, **kwargs)
 

@@ -221,6 +221,31 @@ def test_the_loss_under_autocast_multiplies_in_its_dtype(kernels):
         assert torch.nn.functional.cosine_similarity(x.flatten(), ref.flatten(), dim=0) > 0.99
 
 
+@interpreted
+def test_an_autocast_step_launches_the_bfloat16_steps_kernels(monkeypatch):
+    """With float32 weights under bf16 autocast the fused loss launches the very kernel variants (each tensor
+    argument's dtype) of a bfloat16 head: the builds recipes/benchmarks/kernel_builds.py reports for bfloat16 are the
+    ones AMP runs (before, AMP ran the float32-weight variants, which spill registers on sm_80)."""
+    from triton.runtime import interpreter
+
+    variants, real_call = set(), interpreter.GridExecutor.__call__
+
+    def recorded(self, *args, **kwargs):
+        variants.add((self.fn.__name__, tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))))
+        with torch.utils._python_dispatch._disable_current_modes():
+            return real_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", recorded)
+    p = problem(seed=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_and_grads(p, "fused", tail_gradient="expected")
+    amp, variants = variants, set()
+    half = p._replace(**{name: getattr(p, name).detach().bfloat16().requires_grad_() for name in ("hidden", "weight",
+                                                                                                 "bias")})
+    loss_and_grads(half, "fused", tail_gradient="expected")
+    assert amp == variants and any("torch.bfloat16" in dtypes for _, dtypes in amp)
+
+
 def test_auto_is_eager_on_the_cpu(fused_calls):
     """"auto" (the config's default) runs the eager path on CPU tensors, bit for bit, in the parent process and
     in the interpreted child alike."""
