@@ -62,8 +62,9 @@ BACKENDS = ("auto", "fused", "eager")
 class Blocks:
     """Tile sizes of the fused kernels (powers of two; tokens ``t``, dims ``d``, head columns ``h``; for the
     weight gradient, classes ``v`` per program, pairs ``p`` of each class per step and dims ``vd`` per tile),
-    warps per program, and the registers a thread of the forward kernel (``registers``) and of the weight-gradient
-    kernel (``grad_registers``) may use (ptxas's ``maxnreg``, ignored by the interpreter)."""
+    warps per program, and the registers a thread of the forward kernel (``registers``; ``float32_registers`` for a
+    float32 weight) and of the weight-gradient kernel (``grad_registers``) may use (ptxas's ``maxnreg``, ignored by
+    the interpreter)."""
 
     t: int
     d: int
@@ -82,6 +83,11 @@ class Blocks:
     # Triton 3.9 then takes 83-96 (80 without a spill at a cap of 80): 2 programs an SM instead of 3 on either.
     # A spill-free build on the toolchains users get is the rule here; neither was timed on a GPU.
     grad_registers: int = 96
+    # The forward's cap for a float32 weight (pure float32 training; AMP casts the weight to bfloat16 first): at 80
+    # it spilled 32 B of stack a thread on sm_80, at 96 8 B on sm_120, at 104 16 B on sm_90; at 128 it takes 115-122
+    # and spills none on sm_80 to sm_120 (Triton 3.9, a one-off build with kernel_builds.py's capture, the weight
+    # float32), two programs an SM. Not timed on a GPU.
+    float32_registers: int = 128
 
     @classmethod
     def choose(cls, num_tokens: int, dim: int, rows: int, interpreted: bool) -> "Blocks":
@@ -151,7 +157,8 @@ class FusedCandidateLoss(torch.autograd.Function):
         torch.ops.hf_midx.candidate_forward(
             hidden, weight, bias, labels, ids, log_q, log_q_pos, head_ids, head_raw, g_head,
             per_token, stats, rows, g_cand, share,
-            [int(ignore_index), blocks.t, blocks.d, min(blocks.h, pow2(num_head)), blocks.warps, blocks.registers],
+            [int(ignore_index), blocks.t, blocks.d, min(blocks.h, pow2(num_head)), blocks.warps,
+             blocks.float32_registers if weight.dtype == torch.float32 else blocks.registers],
             [float(logit_scale), float(logit_softcap or 1.0)],
             # The paper's estimator with the hits dropped is the value estimate already.
             [logit_softcap is not None, corrected, drop_hits, exact_value and (corrected or not drop_hits)],
