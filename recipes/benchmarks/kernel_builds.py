@@ -156,7 +156,7 @@ def default_launches(shape: str, cc: int, dtype: str = "bfloat16") -> list[Launc
     from hf_midx import MidxConfig
     from hf_midx.defaults import EXACT_HEAD_MAX
     from hf_midx.losses.kernels import FusedCandidateLoss
-    from hf_midx.losses.kernels.candidate import Blocks
+    from hf_midx.losses.kernels.blocks import Blocks
     from hf_midx.losses.loss import drops_accidental_hits
     from hf_midx.losses.tail_gradient import asks_closed_form
     from hf_midx.samplers.factors import ProposalFactors, proposal_factors_fixed

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_midx import build_sampler, sampled_softmax_loss
 from hf_midx.losses.kernels import FusedCandidateLoss, candidate_loss, candidate_loss_reference, triton_available
-from hf_midx.losses.kernels.candidate import Blocks
+from hf_midx.losses.kernels.blocks import Blocks
 from hf_midx.rng import CounterRNG
 
 from _env import REPO, offline_env, skip_without_interpreter
