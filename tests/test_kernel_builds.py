@@ -3,8 +3,9 @@
 Each launch of the default path at the four LLM shapes and V = 2^20 (captured from the launch code) is built by
 Triton's compiler and its bundled ptxas for sm_80, 86, 89, 90, 100 and 120 (no GPU needed); a build error, a
 spill, more than 255 registers or shared memory over the target's limit fails the target's case; a target the
-installed toolchain cannot build for is skipped with the reason. The distinct builds (7 a target: they do not
-depend on the shape) are made once for all cases, in one process a CPU; Triton's on-disk cache keeps them.
+installed toolchain cannot build for is skipped with the reason. The distinct builds (they do not depend on
+the shape; the head's bfloat16 and float32 variants apart) are made once for all cases, in one process a CPU;
+Triton's on-disk cache keeps them.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def test_default_kernels_build_without_spills(builds, cc):
     for kernel, shapes in kernels.items():
         built = {shape for b in entry["builds"] if b["kernel"] == kernel for shape in b["shapes"]}
         assert built == shapes, (kernel, built)
+        # Each kernel for a bfloat16 head (and a mixed-precision step's, which launches the same) and a float32 one.
+        assert {d for b in entry["builds"] if b["kernel"] == kernel for d in b["dtypes"]} == set(kernel_builds.DTYPES)
 
 
 def test_launches_are_captured_alike_for_every_target():

@@ -147,13 +147,14 @@ def test_at_most_seven_floors_from_the_top():
 # z_loss, label_smoothing (55) and the refresh budget and bounds (54), each with its help and checks.
 # samplers/base.py 450 -> 465 and samplers/midx.py 450 -> 480: has_fused_draw, the hook by which the loss offers a
 # sampler its Triton draw, and MIDX's fused branch of its draw with the log q it reads from the codeword scores (51).
-# config.py 530 -> 545: log_probs, how a trainer's log-prob calls are answered, with its help and check (67);
-# head.py 285 -> 305: exact_log_probs, the head's third answer beside the sampled and the exact loss (exact values,
-# sampled gradient; 67). callback 370 -> 390 (issue 70): midx/train_loss_exact measured before the optimizer step
-# (on_pre_optimizer_step and logs_after_step, which foresees the Trainer's logging steps), still the callback's one
-# idea: the schedule; 390 -> 400 (67): it hands the trainer's log-prob decision to the binding and rebuilds no index
-# that no call draws from.
-MAX_LINES = {"hf_midx.config": 545, "hf_midx.integration.head": 305, "hf_midx.integration.callback": 400,
+# config.py 530 -> 545: log_probs, how a trainer's log-prob calls are answered, with its help and check (67).
+# head.py 285 -> 310 (issue 68): prepare_kernels, the probe of "auto" before a compiled or captured first step (the
+# guard itself stays kernel_guard.py), and the autocast dtype of its products; 310 -> 330 (67): exact_log_probs, the
+# head's third answer beside the sampled and the exact loss (exact values, sampled gradient).
+# callback 370 -> 390 (issue 70): midx/train_loss_exact measured before the optimizer step (on_pre_optimizer_step and
+# logs_after_step, which foresees the Trainer's logging steps), still the callback's one idea: the schedule;
+# 390 -> 405 (67): it hands the trainer's log-prob decision to the binding and rebuilds no index that no call draws from.
+MAX_LINES = {"hf_midx.config": 545, "hf_midx.integration.head": 330, "hf_midx.integration.callback": 405,
              "hf_midx.samplers.base": 465, "hf_midx.samplers.midx": 480}
 
 

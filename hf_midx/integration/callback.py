@@ -163,6 +163,9 @@ class MidxCallback(TrainerCallback):
         if sampler_device(head) != local_device(head.weight):
             # The model moved (e.g. to the GPU): rebuild the sampler where the weight lives (and time it there).
             rebuild_seconds = refresh_head(head)
+        # "auto" decided before the first step, which torch.compile may trace (where no probe runs); under bf16 /
+        # fp16 mixed precision the head's products run in that dtype too.
+        head.prepare_kernels(torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None)
         seed = config.seed + args.process_index  # all ranks share rank 0's index; each draws its own negatives
         if state.global_step == 0:
             broadcast_sampler(head, seed=seed)

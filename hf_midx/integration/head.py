@@ -25,6 +25,7 @@ from .kernel_guard import KernelGuard
 from ..losses.exact_head import auto_exact_head, exact_head_ids
 from ..losses import full_softmax_loss, sampled_softmax_loss
 from ..losses.log_probs import LogitTransform, SampledGradientLogProbs, log_prob_statistics
+from ..losses.precision import product_dtype
 from ..registry import build_sampler  # any hf_midx import runs hf_midx/__init__, which registers the samplers
 from .step_data import StepData
 from .zero import check_whole, full_shape
@@ -147,6 +148,22 @@ class MidxLMHead(nn.Module):
         return self.sampler
 
     # ------------------------------------------------------------------ the loss
+    def prepare_kernels(self, dtype: torch.dtype | None = None) -> None:
+        """Decide ``kernels="auto"`` for the head's device now, probing the fused kernels there
+        (:class:`~hf_midx.integration.kernel_guard.KernelGuard`), for the weight's dtype and ``dtype`` (the autocast
+        dtype a mixed-precision step runs the head's products in): before a step that ``torch.compile`` traces or a
+        CUDA graph captures, where no probe can run. :func:`hf_midx.wrap` and the callback's train begin call it; a
+        head not whole here (a ZeRO-3 or FSDP shard) is decided at its first eager call instead."""
+        weight = self.weight
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (self.num_classes, self.in_features):
+            return
+        if hasattr(weight, "full_tensor"):
+            return  # a DTensor shard
+        sampler = self._sampler_on(weight.device)
+        with torch.no_grad():
+            for d in dict.fromkeys(x for x in (weight.dtype, dtype) if x is not None):
+                self.kernel_guard.prepare(self.config, sampler, weight.to(d), self.bias, self.logit_softcap)
+
     @contextlib.contextmanager
     def exact_loss_only(self):
         """Within this context, model calls with labels return the exact full-softmax loss and (B, S, 0)
@@ -190,10 +207,15 @@ class MidxLMHead(nn.Module):
         check_whole(weight)  # a ZeRO-3 slice outside the engine's forward: one clear error
         if reduction is None:
             reduction = "mean" if num_items_in_batch is None else "sum"
-        # The loss runs in the head weight's precision; autocast would recast inside the kernels.
+        # Under autocast the sampled loss multiplies in its dtype, as an nn.Linear head would (float32 accumulation,
+        # a float32 gradient back through the cast: hf_midx.losses.precision); the exact loss keeps the weight's
+        # precision. Either runs with autocast off: it would recast some of the loss's ops and not the kernels.
+        dtype = weight.dtype if exact else product_dtype(weight)
         autocast = torch.is_autocast_enabled(h.device.type)
         with torch.autocast(h.device.type, enabled=False) if autocast else contextlib.nullcontext():
-            raw = h = h.to(weight.dtype)
+            weight = weight.to(dtype)
+            bias = bias if bias is None or exact else bias.to(dtype)  # as nn.Linear's, with the weight
+            raw = h = h.to(dtype)
             if self.logit_scale != 1.0:
                 h = h * self.logit_scale
                 bias = None if bias is None else bias * self.logit_scale

@@ -113,6 +113,7 @@ def wrap(
         except BaseException:  # a refusal, or anything else (out of memory, Ctrl-C): the model as it was
             unwrap(model)
             raise
+    head.prepare_kernels()  # "auto" decided here on a CUDA head: a compiled or captured first step probes nothing
     return model
 
 

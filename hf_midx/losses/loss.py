@@ -50,6 +50,7 @@ from .._ops import soft_cap
 from .candidate_logits import candidate_logits, sampled_softmax_terms
 from ..defaults import ESTIMATORS, KERNEL_MODES, NEGATIVE_MODES  # noqa: F401 (the label's logit; the negatives)
 from .log_z_terms import add_log_z_terms, check_log_z_terms
+from .precision import autocast_products
 from .full import assert_labels_in_range, check_loss_inputs, reduce_tokens
 from .tail_gradient import asks_closed_form, check_closed_form, expected_share
 
@@ -59,6 +60,7 @@ def drops_accidental_hits(remove_accidental_hits: bool | None, estimator: str) -
     return estimator == "exact-positive" if remove_accidental_hits is None else remove_accidental_hits
 
 
+@autocast_products
 def sampled_softmax_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -86,7 +88,8 @@ def sampled_softmax_loss(
     """Sampled-softmax cross-entropy corrected by the proposal (an estimator of the full loss).
 
     Args:
-        hidden: (T, D) final hidden states z_t (any float dtype; autograd flows to it).
+        hidden: (T, D) final hidden states z_t (any float dtype; autograd flows to it). Under autocast, hidden and
+            weight multiply in the autocast dtype, as ``nn.Linear`` does (:mod:`hf_midx.losses.precision`).
         weight: (V, D) class embeddings / LM head weight (autograd flows to the rows touched).
         labels: (T,) int64 (or int32) in [0, V), or ``ignore_index``.
         sampler: the proposal, a :class:`hf_midx.Sampler` (see :func:`hf_midx.build_sampler`), of which the

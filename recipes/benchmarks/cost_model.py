@@ -640,6 +640,30 @@ def project_frozen(v: int, d: int, t: int, *, machine: dict = H200, **options) -
             "frozen_exact_floor_ms": floor_ms, "frozen_parts": {p: x["ms"] for p, x in out["parts"].items()}}
 
 
+def project_amp(v: int, d: int, t: int, *, machine: dict = H200, **options) -> dict:
+    """The mixed-precision step at (V, D, T) (issue 68): float32 weights and hidden states under bf16 autocast, the
+    Trainer's bf16=True for a model trained from scratch. The head casts its weight and hidden states to bfloat16
+    and runs the bfloat16 step (``hf_midx.losses.precision``): its projected ms and launches, the casts included."""
+    head, weight, hidden, labels = default_head(v, d, t, dtype=torch.float32, **options)
+    with torch.autocast(weight.device.type, dtype=torch.bfloat16):
+        out = project_head(head, weight, hidden, labels, machine=machine)
+    return {"amp_projected_ms": out["projected_ms"], "amp_calibrated_ms": out["calibrated_ms"],
+            "amp_launches": out["launches"], "amp_parts": {p: x["ms"] for p, x in out["parts"].items()}}
+
+
+def render_amp(shapes: list[dict]) -> str:
+    """The mixed-precision step's projections (``--amp``) as a Markdown section."""
+    table = common.markdown_table(shapes, [
+        ("model", "model"), ("V x D", lambda s: f"{s['V']:,} x {s['D']:,}"),
+        ("bf16 (ms)", lambda s: f"{s['projected_ms']:.2f}"), ("bf16 launches", "launches"),
+        ("AMP, fp32 weights (ms)", lambda s: f"{s['amp_projected_ms']:.2f}"), ("AMP launches", "amp_launches"),
+        ("AMP calibrated (ms)", lambda s: f"{s['amp_calibrated_ms']:.2f}")])
+    return "\n".join(["## Mixed precision: float32 weights under bf16 autocast beside the bfloat16 head", "",
+                       "The head casts its float32 weight (and the hidden states) to bfloat16 each step, as an "
+                       "nn.Linear head under autocast does, and runs the bfloat16 step's kernels; the weight's "
+                       "gradient comes back to float32 through the cast.", "", table, ""])
+
+
 def render_frozen(shapes: list[dict]) -> str:
     """The frozen head's projections (``--frozen``) as a Markdown section."""
     table = common.markdown_table(shapes, [
@@ -730,6 +754,8 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny shapes (V / 64, D / 32, T = 256): checks the script")
     p.add_argument("--frozen", action="store_true", help="also project a frozen head's step (the weight needs no "
                    "gradient, as under LoRA) beside the frozen exact floor 4 T V D FLOPs")  # fmt: skip
+    p.add_argument("--amp", action="store_true", help="also project the mixed-precision step (float32 weights "
+                   "under bf16 autocast) beside the bfloat16 one")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -758,8 +784,13 @@ def main(argv=None) -> dict:
             s.update(project_frozen(v, d, t, kmeans_iters=args.kmeans_iters))
             print(f"{'':14s} frozen: projected {s['frozen_projected_ms']:.2f} ms, frozen exact floor "
                   f"{s['frozen_exact_floor_ms']:.2f} ms", flush=True)
+        if args.amp:
+            s.update(project_amp(v, d, t, kmeans_iters=args.kmeans_iters))
+            print(f"{'':14s} AMP (float32 weights, bf16 autocast): projected {s['amp_projected_ms']:.2f} ms, "
+                  f"{s['amp_launches']} launches", flush=True)
         shapes.append(s)
     md = render(shapes, H200, settings, env) + ("\n" + render_frozen(shapes) if args.frozen else "")
+    md += "\n" + render_amp(shapes) if args.amp else ""
     payload = {"benchmark": NAME, "settings": settings, "environment": env, "machine": H200,
                "calibrated_machine": H200_CALIBRATED, "shapes": shapes}  # fmt: skip
     common.write_outputs(args.out, NAME, payload, md)

@@ -13,8 +13,9 @@ weight is an untouched ``torch.empty`` of the real (V, D) (no memory is written)
 ``Blocks.choose`` picks at T = 8,192; the capture runs T = 16 tokens, which Triton specializes as it does 8,192
 (both divisible by 16), so that the exact head's GEMMs stay cheap on a CPU. The default path has two kernel sets:
 with the expected tail gradient (the bucket table's gradient spread in the weight-gradient kernel), and, for a
-soft-capped head (Gemma-2), the sampled tail gradient with the soft-cap. Each distinct (kernel, configuration,
-target) is built once; Triton's on-disk cache keeps the builds for the next run.
+soft-capped head (Gemma-2), the sampled tail gradient with the soft-cap; each for a bfloat16 head (which a
+mixed-precision step with float32 weights launches too: the head casts to bfloat16 first) and a float32 one. Each
+distinct (kernel, configuration, target) is built once; Triton's on-disk cache keeps the builds for the next run.
 
 Run: ``python recipes/benchmarks/kernel_builds.py --out recipes/benchmarks/results/kernel-builds`` (about two
 minutes on 2 CPU cores cold, seconds with Triton's cache warm); ``--targets 90`` for some targets only.
@@ -47,6 +48,10 @@ CAPTURE_TOKENS = 16
 #: The shapes built: the four LLM heads and a 2^20-class one; Gemma-2's soft-cap (its final_logit_softcapping).
 SHAPES = {name: (v, d, 30.0 if name == "gemma2-2b" else None) for name, (v, d) in common.MODEL_SHAPES.items()}
 SHAPES["1m-1024"] = (1 << 20, 1024, None)
+#: The head's dtypes built. bfloat16: a bfloat16 model, and mixed precision (float32 weights under bf16 autocast, the
+#: Trainer's bf16=True), whose head casts its weight to bfloat16 first (hf_midx.losses.precision), so that it launches
+#: these very variants; float32: pure float32 training (issue 68: its forward spilled 32 B a thread on sm_80).
+DTYPES = ("bfloat16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,13 +149,14 @@ def capturing(cc: int):
         driver.set_active(None)  # back to the default driver, created when next asked for (none without a GPU)
 
 
-def default_launches(shape: str, cc: int) -> list[Launch]:
-    """The launches of one default training step's candidate loss (forward and backward) at ``shape``, bfloat16,
-    with the exact head, M and the codebooks of ``MidxConfig()`` and the tail gradient it takes there."""
+def default_launches(shape: str, cc: int, dtype: str = "bfloat16") -> list[Launch]:
+    """The launches of one default training step's candidate loss (forward and backward) at ``shape``, the head in
+    ``dtype`` (one of :data:`DTYPES`), with the exact head, M and the codebooks of ``MidxConfig()`` and the tail
+    gradient it takes there."""
     from hf_midx import MidxConfig
     from hf_midx.defaults import EXACT_HEAD_MAX
     from hf_midx.losses.kernels import FusedCandidateLoss
-    from hf_midx.losses.kernels.candidate import Blocks
+    from hf_midx.losses.kernels.blocks import Blocks
     from hf_midx.losses.loss import drops_accidental_hits
     from hf_midx.losses.tail_gradient import asks_closed_form
     from hf_midx.samplers.factors import ProposalFactors, proposal_factors_fixed
@@ -161,8 +167,8 @@ def default_launches(shape: str, cc: int) -> list[Launch]:
     h = cfg.exact_head if isinstance(cfg.exact_head, int) else min(EXACT_HEAD_MAX, num_classes // 8)
     t, m, b = CAPTURE_TOKENS, cfg.num_samples, cfg.codebook_size**2
     g = torch.Generator().manual_seed(0)
-    weight = torch.empty(num_classes, dim, dtype=torch.bfloat16, requires_grad=True)  # never written
-    hidden = torch.randn(t, dim, generator=g).to(torch.bfloat16).requires_grad_()
+    weight = torch.empty(num_classes, dim, dtype=getattr(torch, dtype), requires_grad=True)  # never written
+    hidden = torch.randn(t, dim, generator=g).to(weight.dtype).requires_grad_()
     labels, ids = torch.randint(num_classes, (t,), generator=g), torch.randint(num_classes, (t, m), generator=g)
     log_q, log_q_pos = torch.randn(t, m, generator=g), torch.randn(t, generator=g)
     head = torch.arange(h) * (num_classes // h)  # (H,) sorted, distinct
@@ -269,12 +275,12 @@ def _build_one(args):
     return build(*args)
 
 
-def run(targets=tuple(TARGETS), shapes=tuple(SHAPES), workers: int | None = None) -> dict:
+def run(targets=tuple(TARGETS), shapes=tuple(SHAPES), workers: int | None = None, dtypes=DTYPES) -> dict:
     """Capture every shape's launches for each supported target and build each distinct one once (in ``workers``
     processes, default one a CPU): {"targets": {cc: {"skipped": why} or {"builds": [...]}}, "shapes": ...}."""
     import triton
 
-    out = {"settings": {"triton": triton.__version__, "torch": torch.__version__, "T": TOKENS, "dtype": "bfloat16",
+    out = {"settings": {"triton": triton.__version__, "torch": torch.__version__, "T": TOKENS, "dtypes": list(dtypes),
                         "capture_tokens": CAPTURE_TOKENS}, "targets": {}}
     supported = []
     for cc in targets:
@@ -283,14 +289,18 @@ def run(targets=tuple(TARGETS), shapes=tuple(SHAPES), workers: int | None = None
             out["targets"][str(cc)] = {"gpus": TARGETS[cc].gpus, "skipped": why}
         else:
             supported.append(cc)
-    # Captured once a shape: Triton's CUDA backend specializes the arguments alike for every target.
-    captured = {shape: default_launches(shape, supported[0]) for shape in shapes} if supported else {}
-    jobs, where = {}, {}
+    # Captured once a shape and dtype: Triton's CUDA backend specializes the arguments alike for every target.
+    captured = {(shape, dtype): default_launches(shape, supported[0], dtype)
+                for shape in shapes for dtype in dtypes} if supported else {}
+    jobs, where, which = {}, {}, {}
     for cc in supported:
-        for shape, launches in captured.items():
+        for (shape, dtype), launches in captured.items():
             for launch in launches:
-                jobs.setdefault((launch.key(), cc), (launch, cc))
-                where.setdefault((launch.key(), cc), []).append(shape)
+                key = (launch.key(), cc)
+                jobs.setdefault(key, (launch, cc))
+                for found, value in ((where, shape), (which, dtype)):  # a launch alike for both dtypes is built once
+                    if value not in found.setdefault(key, []):
+                        found[key].append(value)
     keys = list(jobs)
     if workers == 1 or len(keys) < 2:
         rows = [build(*jobs[k]) for k in keys]
@@ -301,7 +311,7 @@ def run(targets=tuple(TARGETS), shapes=tuple(SHAPES), workers: int | None = None
         launch, cc = jobs[key]
         entry = out["targets"].setdefault(str(cc), {"gpus": TARGETS[cc].gpus, "builds": []})
         entry["builds"].append({"kernel": launch.kernel, "config": launch.config(), "shapes": where[key],
-                                **row, "problems": problems(row, cc)})
+                                "dtypes": which[key], **row, "problems": problems(row, cc)})
     return out
 
 
@@ -310,27 +320,29 @@ def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [
         "# The fused kernels built for each GPU target (no GPU: Triton's compiler, its ptxas and cuobjdump)", "",
-        f"Triton {s['triton']}, torch {s['torch']}; the default path's launches at T = {s['T']:,}, {s['dtype']}, "
+        f"Triton {s['triton']}, torch {s['torch']}; the default path's launches at T = {s['T']:,}, the head in "
+        f"{' and '.join(s['dtypes'])} (bfloat16 is also the mixed-precision step's: float32 weights under bf16 "
+        "autocast are cast to bfloat16 first), "
         "captured from the launch code (see `recipes/benchmarks/kernel_builds.py`). Shared: bytes a program; "
         "occupancy: resident warps / the SM's warp slots. Regenerate: "
         "`python recipes/benchmarks/kernel_builds.py --out recipes/benchmarks/results/kernel-builds`.", "",
-        "| target | GPUs | kernel | configuration | shapes | registers | spill B | shared B | programs / SM "
+        "| target | GPUs | kernel | dtypes | configuration | shapes | registers | spill B | shared B | programs / SM "
         "| occupancy | problems |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|---|",
+        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for cc, entry in result["targets"].items():
         if "skipped" in entry:
-            lines.append(f"| sm_{cc} | {entry['gpus']} | skipped: {entry['skipped']} | | | | | | | | |")
+            lines.append(f"| sm_{cc} | {entry['gpus']} | skipped: {entry['skipped']} | | | | | | | | | |")
             continue
         for b in entry["builds"]:
+            build_row = f"| sm_{cc} | {entry['gpus']} | {b['kernel']} | {', '.join(b['dtypes'])} | `{b['config']}` "
             if "error" in b:
-                lines.append(f"| sm_{cc} | {entry['gpus']} | {b['kernel']} | `{b['config']}` | {', '.join(b['shapes'])} "
-                             f"| | | | | | {'; '.join(b['problems'])} |")
+                lines.append(build_row + f"| {', '.join(b['shapes'])} | | | | | | {'; '.join(b['problems'])} |")
                 continue
             lines.append(
-                f"| sm_{cc} | {entry['gpus']} | {b['kernel']} | `{b['config']}` | {', '.join(b['shapes'])} "
-                f"| {b['registers']} | {b['spill_bytes'] + b['stack_bytes']} | {b['shared_bytes']:,} "
-                f"| {b['programs_per_sm']} | {b['occupancy']:.0%} | {'; '.join(b['problems']) or 'none'} |"
+                build_row + f"| {', '.join(b['shapes'])} | {b['registers']} | {b['spill_bytes'] + b['stack_bytes']} "
+                f"| {b['shared_bytes']:,} | {b['programs_per_sm']} | {b['occupancy']:.0%} "
+                f"| {'; '.join(b['problems']) or 'none'} |"
             )
     return "\n".join(lines) + "\n"
 

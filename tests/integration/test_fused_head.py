@@ -13,6 +13,7 @@ program at a time in Python.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
@@ -25,7 +26,7 @@ import hf_midx
 from hf_midx import MidxConfig, build_sampler, sampled_softmax_loss
 from hf_midx.config import CONFIG_NAME
 from hf_midx.integration.head import find_head
-from hf_midx.losses.kernels import candidate, candidate_loss, triton_available
+from hf_midx.losses.kernels import candidate, candidate_loss, launch, triton_available
 
 from _models import clone_model, markov_batches, tiny_model
 from test_kernels import _FREE, OpCounter, launched_kernels, make_case, run, run_interpreted
@@ -140,6 +141,109 @@ def test_fused_loss_is_the_eager_loss_on_the_same_draws(setup, options, fused_ca
     assert fused_calls["forward"] == 1
     assert torch.equal(fused_state, eager_state)  # the same draws consumed the same counters
     assert_close(got, want)
+
+
+@interpreted
+def test_every_launch_runs_under_its_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device and its current stream, not on the tensors' (a head on cuda:1
+    while cuda:0 is current, as under device_map): every launch of a step (the random stream, the bucket draw, the
+    tail's table, the loss's three) must run inside ``on_device`` of its tensors' device. A spy on that context
+    records the device each launch sees; on the CPU it is "cpu" (the CUDA side is the next test)."""
+    from triton.runtime import interpreter
+
+    current, seen = [], []
+    real_context, real_call = launch.on_device, interpreter.GridExecutor.__call__
+
+    @contextlib.contextmanager
+    def spy(device):
+        current.append(torch.device(device))
+        with real_context(device):
+            yield
+        current.pop()
+
+    def recorded(self, *args, **kwargs):
+        devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+        seen.append((self.fn.__name__, current[-1] if current else None, devices))
+        with torch.utils._python_dispatch._disable_current_modes():
+            return real_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "on_device", spy)
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", recorded)
+    loss_and_grads(problem(seed=3), "fused", tail_gradient="expected")
+    names = {name for name, _, _ in seen}
+    assert {"counter_rand_kernel", "midx_draw_kernel", "bucket_partials_kernel", "bucket_sums_kernel",
+            "candidate_forward_kernel", "candidate_grad_hidden_kernel", "candidate_grad_weight_kernel"} <= names, names
+    for name, device, devices in seen:
+        assert devices == {device}, f"{name} launched under {device}, its tensors on {devices}"
+
+
+def test_a_launch_on_a_second_gpu_makes_that_gpu_current(monkeypatch):
+    """``on_device`` of cuda:1 enters ``torch.cuda.device(cuda:1)`` (Triton then takes cuda:1 and its current
+    stream); of the CPU, nothing."""
+    entered = []
+    monkeypatch.setattr(torch.cuda, "device", lambda d: entered.append(torch.device(d)) or contextlib.nullcontext())
+    with launch.on_device(torch.device("cuda", 1)):
+        assert entered == [torch.device("cuda", 1)]
+    with launch.on_device(torch.device("cpu")):
+        pass
+    assert entered == [torch.device("cuda", 1)]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_guard_passes_the_real_kernels(dtype):
+    """The first-call probe (random tokens hitting the exact head, the tail and ignored positions; T = 32 and 21, a
+    per-token upstream gradient, a trainable bias) finds the interpreted kernels within its tolerance of the eager
+    path in float32."""
+    from hf_midx.integration.head import MidxLMHead
+    from hf_midx.integration.kernel_guard import probe_fused
+
+    g = torch.Generator().manual_seed(0)
+    head = MidxLMHead(torch.nn.Linear(D, V, bias=True), MidxConfig(num_samples=M, codebook_size=8, kmeans_iters=3,
+                      exact_head=H), class_counts=torch.randint(1, 50, (V,), generator=g).double())
+    weight = head.weight.detach().to(dtype)
+    assert probe_fused(head.sampler, weight, head.bias.detach(), head.config) is None
+
+
+@interpreted
+@pytest.mark.parametrize("kernels", ["fused", "eager"])
+def test_the_loss_under_autocast_multiplies_in_its_dtype(kernels):
+    """Under bf16 autocast with a float32 head and an exact head, the loss runs its products in bfloat16 (as an
+    nn.Linear head would) and gives float32 gradients: before, the fused backward crashed ("expected m1 and m2 to
+    have the same dtype": the head's logit gradient bfloat16 from an autocast GEMM, its weight float32)."""
+    p = problem(seed=3)
+    want, _ = loss_and_grads(p, kernels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = loss_and_grads(p, kernels)
+    assert [x.dtype for x in got] == [torch.float32] * 4
+    assert float(got[0]) == pytest.approx(float(want[0]), rel=1e-2)
+    for x, ref in zip(got[1:], want[1:]):
+        assert torch.nn.functional.cosine_similarity(x.flatten(), ref.flatten(), dim=0) > 0.99
+
+
+@interpreted
+def test_an_autocast_step_launches_the_bfloat16_steps_kernels(monkeypatch):
+    """With float32 weights under bf16 autocast the fused loss launches the very kernel variants (each tensor
+    argument's dtype) of a bfloat16 head: the builds recipes/benchmarks/kernel_builds.py reports for bfloat16 are the
+    ones AMP runs (before, AMP ran the float32-weight variants, which spill registers on sm_80)."""
+    from triton.runtime import interpreter
+
+    variants, real_call = set(), interpreter.GridExecutor.__call__
+
+    def recorded(self, *args, **kwargs):
+        variants.add((self.fn.__name__, tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))))
+        with torch.utils._python_dispatch._disable_current_modes():
+            return real_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", recorded)
+    p = problem(seed=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_and_grads(p, "fused", tail_gradient="expected")
+    amp, variants = variants, set()
+    half = p._replace(**{name: getattr(p, name).detach().bfloat16().requires_grad_() for name in ("hidden", "weight",
+                                                                                                 "bias")})
+    loss_and_grads(half, "fused", tail_gradient="expected")
+    assert amp == variants and any("torch.bfloat16" in dtypes for _, dtypes in amp)
 
 
 def test_auto_is_eager_on_the_cpu(fused_calls):

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_midx import build_sampler, sampled_softmax_loss
 from hf_midx.losses.kernels import FusedCandidateLoss, candidate_loss, candidate_loss_reference, triton_available
-from hf_midx.losses.kernels.candidate import Blocks
+from hf_midx.losses.kernels.blocks import Blocks
 from hf_midx.rng import CounterRNG
 
 from _env import REPO, offline_env, skip_without_interpreter
@@ -391,6 +391,62 @@ def test_int32_ids_and_all_ignored():
     case = case._replace(labels=torch.full_like(case.labels, -100))
     loss, *grads = run(fused, case)
     assert loss.item() == 0.0 and all(bool((g == 0).all()) for g in grads)
+
+
+def noncontiguous(x):
+    """x's values in a view that is not contiguous (every other element of a buffer twice as wide along the last
+    dim, so that a matrix's rows are strided too), a leaf that requires grad where x does."""
+    wide = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
+    view = wide[..., ::2]
+    view.copy_(x.detach())
+    return view.requires_grad_(x.requires_grad)
+
+
+def sampled_fused(case, **kw):
+    """hf_midx.sampled_softmax_loss on the case's draws through the fused kernels."""
+    return sampled_softmax_loss(case.hidden, case.weight, case.labels, fixed_draws(case), case.ids.shape[1],
+                                bias=case.bias, exact_ids=case.head, check_labels=False, kernels="fused", **kw)
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "loss, name",
+    [(fused, name) for name in Case._fields] + [(sampled_fused, name) for name in ("hidden", "weight", "bias", "labels",
+                                                                                   "head")],
+    ids=lambda x: x if isinstance(x, str) else x.__name__,
+)
+def test_a_strided_argument_is_read_as_its_contiguous_copy(loss, name):
+    """Every tensor argument of the public losses as a strided view (stride 2; a matrix's rows strided too) gives
+    the loss and gradients of its contiguous copy, bit for bit: before, the kernels read labels and bias with
+    stride 1 (a stride-2 labels view moved this case's summed loss)."""
+    case = make_case(64, 1000, 32, 8, 32, seed=3)
+    want = run(loss, case, reduction="sum")
+    got = run(loss, case._replace(**{name: noncontiguous(getattr(case, name))}), reduction="sum")
+    print(f"\n{loss.__name__}, strided {name}: summed loss {float(got[0]):.4f}, contiguous {float(want[0]):.4f}")
+    for what, x, ref in zip(("loss", "grad hidden", "grad weight", "grad bias"), got, want):
+        assert torch.equal(x, ref), what
+
+
+@interpreted
+def test_float16_head_gradient_does_not_overflow():
+    """The exact head's weight gradient sums g_head[t] hidden[t] over the T tokens: in float16 before the mean's
+    1 / T, that sum overflows 65,504 where every label is one head class (g ~ -1) and the hidden states are 3.0
+    (T = 32,768: -inf before). The eager path's autograd scales before its sum; so must the kernels' backward."""
+    t, v, d, h, m = 32768, 64, 16, 16, 1
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.full((t, d), 3.0, dtype=torch.float16, requires_grad=True)
+    weight = (0.1 * torch.randn(v, d, generator=g)).half().requires_grad_(True)
+    head = torch.arange(h)
+    labels = torch.zeros(t, dtype=torch.long)
+    ids = torch.randint(h, v, (t, m), generator=g)
+    log_q = torch.full((t, m), -math.log(v - h))
+    log_q_pos = torch.full((t,), -math.inf)  # labels in the head: the proposal never draws them
+    case = Case(hidden, weight, None, labels, ids, log_q, log_q_pos, head)
+    got = run(fused, case)
+    want = truth(case)
+    print(f"\nfloat16 grad_weight[0, 0]: fused {float(got[2][0, 0]):.4f}, float64 {float(want[2][0, 0]):.4f}")
+    assert torch.isfinite(got[2]).all()
+    check_fp32(got, want, tol=2e-3)  # float16 rounding of the stored gradients
 
 
 @interpreted

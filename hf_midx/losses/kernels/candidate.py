@@ -42,12 +42,14 @@ The fused path is three Triton kernels and a few library calls:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 
+from ..precision import autocast_products
 from ..tail_gradient import bucket_rows, bucket_table
+
+from .blocks import Blocks
 
 # Importing launch registers the kernels' launches as torch.ops.hf_midx custom ops.
 from .launch import cdiv, check_fused, pow2, triton_available, triton_interpreting
@@ -55,56 +57,6 @@ from .table import fused_bucket_table
 
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("auto", "fused", "eager")
-
-
-@dataclasses.dataclass(frozen=True)
-class Blocks:
-    """Tile sizes of the fused kernels (powers of two; tokens ``t``, dims ``d``, head columns ``h``; for the
-    weight gradient, classes ``v`` per program, pairs ``p`` of each class per step and dims ``vd`` per tile),
-    warps per program, and the registers a thread of the forward kernel (``registers``) and of the weight-gradient
-    kernel (``grad_registers``) may use (ptxas's ``maxnreg``, ignored by the interpreter)."""
-
-    t: int
-    d: int
-    h: int
-    v: int
-    p: int
-    warps: int = 8
-    vd: int = 32
-    # Left to itself, ptxas (CUDA 12.9 / 13.4, as Triton 3.9 bundles them) gives these kernels 64 registers at 8
-    # warps and spills 8 B a thread at two of the default path's builds (the soft-capped forward on sm_90 to sm_120,
-    # the weight gradient on sm_80); at most 80 it takes 78-80 and spills none, 3 programs an SM
-    # (recipes/benchmarks/results/kernel-builds/, not timed on a GPU).
-    registers: int = 80
-    # The weight gradient's cap: Triton 3.8 (torch 2.14's CUDA wheels pin it) fills 80 and spills 24 B of stack a
-    # thread on sm_80 to sm_89 with the tail's table; at most 96 it takes 96 there, 83 on sm_90, and spills none.
-    # Triton 3.9 then takes 83-96 (80 without a spill at a cap of 80): 2 programs an SM instead of 3 on either.
-    # A spill-free build on the toolchains users get is the rule here; neither was timed on a GPU.
-    grad_registers: int = 96
-
-    @classmethod
-    def choose(cls, num_tokens: int, dim: int, rows: int, interpreted: bool) -> "Blocks":
-        """On a GPU a (t, R, d) gather tile of about 8 K floats over 8 warps: compiled for sm_90 (not yet
-        timed), the forward then needs ~210 registers a thread and spills none, where 4 warps spilled.
-        The interpreter runs one program at a time in Python, so there the tiles are as large as the
-        problem allows, to keep the programs few.
-
-        The weight gradient's (v, p, vd) = (8, 4, 128) gather tile over 8 warps is a guess, not timed: 128
-        dims (256 B of a bf16 row) per gathered row, as Cut Cross-Entropy's indexed dot gathers rows 128 to
-        256 wide (its ``_indexed_dot_best_config``; its weight gradient, a dense (128 x 128) ``tl.dot`` tile
-        per 32 dims with locked adds, has no sorted pairs to walk); 8 classes a program so that typical
-        classes (about T R / V ~ 1 pair each) share a tile, 4 pairs a class a step so that a class drawn
-        hundreds of times (frequent labels, popular buckets) takes a quarter of the steps. Compiled for
-        sm_90 it needs ~120 registers a thread and spills none (cuobjdump), two programs an SM; (16, 4, 128)
-        needed ~180 (one program an SM) and an int64 walk 255 with spills. 128 divides D at the four LLM
-        shapes (640 to 4,096)."""
-        budget = 1 << (19 if interpreted else 13)
-        d = min(pow2(dim), 128 if interpreted else 32)
-        t = max(1, min(pow2(num_tokens), budget // (pow2(rows) * d)))
-        t = 1 << (t.bit_length() - 1)  # a power of two below the budget
-        if interpreted:  # within the interpreter's 2^20 elements a tile
-            return cls(t=t, d=d, h=max(16, min(1024, (1 << 20) // t)), v=1024, p=8, vd=min(pow2(dim), 128))
-        return cls(t=t, d=d, h=128, v=8, p=4, vd=128)
 
 
 # ====================================================================== fused
@@ -125,8 +77,11 @@ class FusedCandidateLoss(torch.autograd.Function):
         num_head = 0 if head_ids is None else head_ids.numel()
         interpreted = not torch.compiler.is_compiling() and triton_interpreting()
         blocks = blocks or Blocks.choose(num_tokens, dim, rows_per_token, interpreted)
-        hidden = hidden.contiguous()
-        weight = weight.contiguous()
+        # The kernels read hidden's and weight's rows through their stride but every other tensor, and the elements
+        # of a row, with stride 1: a strided view (labels[::2], a bias sliced from a wider one) is copied once here,
+        # where it reaches the kernels; a contiguous tensor passes as is.
+        hidden, weight, labels, ids, log_q = (x.contiguous() for x in (hidden, weight, labels, ids, log_q))
+        bias, log_q_pos = (None if x is None else x.contiguous() for x in (bias, log_q_pos))
         device = hidden.device
         f32 = torch.float32
         if num_head:
@@ -147,7 +102,8 @@ class FusedCandidateLoss(torch.autograd.Function):
         torch.ops.hf_midx.candidate_forward(
             hidden, weight, bias, labels, ids, log_q, log_q_pos, head_ids, head_raw, g_head,
             per_token, stats, rows, g_cand, share,
-            [int(ignore_index), blocks.t, blocks.d, min(blocks.h, pow2(num_head)), blocks.warps, blocks.registers],
+            [int(ignore_index), blocks.t, blocks.d, min(blocks.h, pow2(num_head)), blocks.warps,
+             blocks.float32_registers if weight.dtype == torch.float32 else blocks.registers],
             [float(logit_scale), float(logit_softcap or 1.0)],
             # The paper's estimator with the hits dropped is the value estimate already.
             [logit_softcap is not None, corrected, drop_hits, exact_value and (corrected or not drop_hits)],
@@ -165,6 +121,7 @@ class FusedCandidateLoss(torch.autograd.Function):
                 count = total[1].clamp_min(1)
                 out = out / count
         spread = (None, None, None) if factors is None else (factors.bucket, factors.member, factors.static)
+        spread = tuple(None if x is None else x.contiguous() for x in spread)
         ctx.save_for_backward(hidden, weight, w_head, head_ids, rows, g_cand, g_head, count, *spread)
         ctx.num_head, ctx.blocks = num_head, blocks
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -215,13 +172,19 @@ class FusedCandidateLoss(torch.autograd.Function):
             if ctx.num_head:
                 # Head ids are distinct: index_add_ adds each row once, deterministically. A per-token scale goes on
                 # the hidden states' rows (T, D), a scalar one on the (H, D) product; either in float32 (a bfloat16
-                # copy of the scale would bias every head row by its rounding).
-                if gscale.dim():
-                    head_grad = g_head.t() @ (hidden.float() * gscale.unsqueeze(1)).to(hidden.dtype)
-                    head_bias = g_head.t().float() @ gscale if need_b else None
+                # copy of the scale would bias every head row by its rounding). In float16 a scalar one goes on the
+                # rows too, before the sum over T tokens, as the eager path's autograd puts it: the sum unscaled
+                # tops float16's 65,504 (T = 32,768 tokens of gradient ~ -1 against hidden states of 3.0: -inf).
+                per_token = gscale.dim() > 0
+                if per_token or hidden.dtype == torch.float16:
+                    scale = gscale.unsqueeze(1) if per_token else gscale
+                    head_grad = g_head.t() @ (hidden.float() * scale).to(hidden.dtype)
                 else:
                     head_grad = (g_head.t() @ hidden).float().mul_(gscale).to(weight.dtype)
-                    head_bias = g_head.sum(0, dtype=torch.float32) * gscale if need_b else None
+                if need_b and per_token:
+                    head_bias = g_head.t().float() @ gscale
+                elif need_b:
+                    head_bias = g_head.sum(0, dtype=torch.float32) * gscale
                 grad_weight.index_add_(0, head_ids, head_grad)
                 if need_b:
                     grad_bias.index_add_(0, head_ids, head_bias.to(grad_bias.dtype))
@@ -299,6 +262,7 @@ def _finish(x, scale, cap):
 
 
 # ====================================================================== public entry point
+@autocast_products
 def candidate_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -376,8 +340,7 @@ def candidate_loss(
         if not torch.compiler.is_compiling():
             check_fused(hidden)
         return FusedCandidateLoss.apply(
-            hidden, weight, bias, labels, ids.contiguous(), log_q.float().contiguous(),
-            None if not corrected_positive else log_q_pos.float().contiguous(),
+            hidden, weight, bias, labels, ids, log_q.float(), None if not corrected_positive else log_q_pos.float(),
             head_ids, int(ignore_index), float(logit_scale), logit_softcap,
             bool(corrected_positive), bool(remove_accidental_hits), bool(exact_value), reduction, None,
             bool(tail_control), factors,

@@ -12,6 +12,7 @@ takes no Python objects); tile sizes are ``Blocks`` fields.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 
@@ -59,6 +60,17 @@ def _kernels():
     return _kernels_module("_candidate_triton")
 
 
+def on_device(device: torch.device):
+    """The context of a launch on ``device``: that CUDA device made current, so that Triton launches there and on
+    its current stream (Triton takes both from the current device, not from the tensors), as the ATen ops on the
+    same tensors run; nothing on the CPU (the interpreter). Without it, a head on cuda:1 while cuda:0 is current
+    (a model spread by ``device_map``) launches on cuda:0: a fault without peer access, or with it a launch on
+    cuda:0's stream, unordered against the cuda:1 work that produces its inputs."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
 def check_fused(tensor) -> None:
     """ValueError unless ``backend='fused'`` can run on ``tensor``: Triton installed, and the tensor on CUDA (or the
     CPU under ``TRITON_INTERPRET=1``)."""
@@ -103,17 +115,19 @@ def candidate_forward(
         g_head = head_raw if g_head is None else g_head
     else:
         head_ids = head_raw = g_head = labels  # never read: every loop over H is empty
-    _kernels().candidate_forward_kernel[(cdiv(num_tokens, block_t),)](
-        hidden, weight, bias if bias is not None else hidden, labels, ids, log_q,
-        log_q_pos if log_q_pos is not None else log_q, head_ids, head_raw,
-        per_token, stats, rows, g_cand, g_head, share if share is not None else per_token,
-        num_tokens, dim, m, num_head, weight.shape[0],
-        hidden.stride(0), weight.stride(0), head_raw.stride(0) if num_head else 0,
-        ignore_index, floats[0], floats[1],
-        HAS_BIAS=bias is not None, SOFTCAP=softcap, CORRECTED=corrected, DROP_HITS=drop_hits,
-        EXACT_VALUE=exact_value, TAIL_CONTROL=share is not None, SEARCH_STEPS=max(0, num_head).bit_length(),
-        BLOCK_T=block_t, BLOCK_R=pow2(m + 1), BLOCK_D=block_d, BLOCK_H=block_h, num_warps=warps, maxnreg=registers,
-    )
+    with on_device(hidden.device):
+        _kernels().candidate_forward_kernel[(cdiv(num_tokens, block_t),)](
+            hidden, weight, bias if bias is not None else hidden, labels, ids, log_q,
+            log_q_pos if log_q_pos is not None else log_q, head_ids, head_raw,
+            per_token, stats, rows, g_cand, g_head, share if share is not None else per_token,
+            num_tokens, dim, m, num_head, weight.shape[0],
+            hidden.stride(0), weight.stride(0), head_raw.stride(0) if num_head else 0,
+            ignore_index, floats[0], floats[1],
+            HAS_BIAS=bias is not None, SOFTCAP=softcap, CORRECTED=corrected, DROP_HITS=drop_hits,
+            EXACT_VALUE=exact_value, TAIL_CONTROL=share is not None, SEARCH_STEPS=max(0, num_head).bit_length(),
+            BLOCK_T=block_t, BLOCK_R=pow2(m + 1), BLOCK_D=block_d, BLOCK_H=block_h,
+            num_warps=warps, maxnreg=registers,
+        )
 
 
 @candidate_forward.register_fake
@@ -129,13 +143,14 @@ def candidate_grad_hidden(
     block_t, block_d, warps = ints
     num_tokens, dim = out.shape
     r = rows.shape[1]
-    _kernels().candidate_grad_hidden_kernel[(cdiv(num_tokens, block_t), cdiv(dim, block_d))](
-        weight, rows, g_cand, gscale, base if base is not None else out, out,
-        num_tokens, dim, r, weight.shape[0],
-        weight.stride(0), gscale.stride(0) if gscale.dim() else 0, base.stride(0) if base is not None else 0,
-        out.stride(0),
-        HAS_BASE=base is not None, BLOCK_T=block_t, BLOCK_R=pow2(r), BLOCK_D=block_d, num_warps=warps,
-    )
+    with on_device(out.device):
+        _kernels().candidate_grad_hidden_kernel[(cdiv(num_tokens, block_t), cdiv(dim, block_d))](
+            weight, rows, g_cand, gscale, base if base is not None else out, out,
+            num_tokens, dim, r, weight.shape[0],
+            weight.stride(0), gscale.stride(0) if gscale.dim() else 0, base.stride(0) if base is not None else 0,
+            out.stride(0),
+            HAS_BASE=base is not None, BLOCK_T=block_t, BLOCK_R=pow2(r), BLOCK_D=block_d, num_warps=warps,
+        )
 
 
 @candidate_grad_hidden.register_fake
@@ -160,17 +175,18 @@ def candidate_grad_weight(
             f"tokens of D = {dim} or R = {g_cand.shape[1]} is too many; split the tokens into chunks."
         )
     has_table = grad_table is not None
-    _kernels().candidate_grad_weight_kernel[(cdiv(num_classes, block_v),)](
-        hidden, order, starts, g_cand, gscale,
-        grad_table if has_table else g_cand, bucket if has_table else starts, member if has_table else g_cand,
-        static if static is not None and has_table else g_cand,
-        grad_weight, grad_bias if grad_bias is not None else grad_weight,
-        num_classes, dim, g_cand.shape[1], grad_table.shape[0] - 1 if has_table else 0,
-        hidden.stride(0), gscale.stride(0) if gscale.dim() else 0, grad_table.stride(0) if has_table else 0,
-        grad_weight.stride(0),
-        HAS_BIAS=grad_bias is not None, HAS_TABLE=has_table, HAS_STATIC=has_table and static is not None,
-        BLOCK_V=block_v, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=warps, maxnreg=registers,
-    )
+    with on_device(grad_weight.device):
+        _kernels().candidate_grad_weight_kernel[(cdiv(num_classes, block_v),)](
+            hidden, order, starts, g_cand, gscale,
+            grad_table if has_table else g_cand, bucket if has_table else starts, member if has_table else g_cand,
+            static if static is not None and has_table else g_cand,
+            grad_weight, grad_bias if grad_bias is not None else grad_weight,
+            num_classes, dim, g_cand.shape[1], grad_table.shape[0] - 1 if has_table else 0,
+            hidden.stride(0), gscale.stride(0) if gscale.dim() else 0, grad_table.stride(0) if has_table else 0,
+            grad_weight.stride(0),
+            HAS_BIAS=grad_bias is not None, HAS_TABLE=has_table, HAS_STATIC=has_table and static is not None,
+            BLOCK_V=block_v, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=warps, maxnreg=registers,
+        )
 
 
 @candidate_grad_weight.register_fake
@@ -186,12 +202,13 @@ def midx_draw(
     """The MIDX bucket draw (:func:`hf_midx.losses.kernels.draw.midx_bucket_draw`); ints = [K, BLOCK_T, warps]."""
     k, block_t, warps = ints
     num_tokens, m = bucket.shape
-    _kernels_module("_draw_triton").midx_draw_kernel[(cdiv(num_tokens, block_t),)](
-        scores, log_mass, u, share if share is not None else log_mass, bucket, log_z,
-        probs if probs is not None else log_z, num_tokens, m, scores.stride(0),
-        K=k, HAS_SHARE=share is not None, WRITE_PROBS=probs is not None, BLOCK_T=block_t, BLOCK_B=pow2(k * k),
-        num_warps=warps,
-    )
+    with on_device(bucket.device):
+        _kernels_module("_draw_triton").midx_draw_kernel[(cdiv(num_tokens, block_t),)](
+            scores, log_mass, u, share if share is not None else log_mass, bucket, log_z,
+            probs if probs is not None else log_z, num_tokens, m, scores.stride(0),
+            K=k, HAS_SHARE=share is not None, WRITE_PROBS=probs is not None, BLOCK_T=block_t, BLOCK_B=pow2(k * k),
+            num_warps=warps,
+        )
 
 
 @midx_draw.register_fake
@@ -207,7 +224,9 @@ def counter_rand(state: Tensor, out: Tensor, ints: list[int]) -> None:
     n = out.numel()
     f64 = out.dtype == torch.float64
     if n:
-        _kernels_module("_counter_triton").counter_rand_kernel[(cdiv(n, block),)](state, out, n, F64=f64, BLOCK=block)
+        with on_device(out.device):
+            kernel = _kernels_module("_counter_triton").counter_rand_kernel
+            kernel[(cdiv(n, block),)](state, out, n, F64=f64, BLOCK=block)
     state[1:].add_(n if f64 else (n + 1) // 2)
 
 
@@ -226,10 +245,11 @@ def bucket_partials(
     num_chunks = offsets.shape[0] // (2 if static else 1)
     dim = rows.shape[1]
     if num_chunks:
-        _kernels_module("_table_triton").bucket_partials_kernel[(num_chunks, cdiv(dim, block_d))](
-            rows, index, offsets, weights, partials, index.shape[0], num_chunks, dim, rows.stride(0),
-            STATIC=bool(static), BLOCK_J=block_j, BLOCK_D=block_d, num_warps=warps,
-        )
+        with on_device(partials.device):
+            _kernels_module("_table_triton").bucket_partials_kernel[(num_chunks, cdiv(dim, block_d))](
+                rows, index, offsets, weights, partials, index.shape[0], num_chunks, dim, rows.stride(0),
+                STATIC=bool(static), BLOCK_J=block_j, BLOCK_D=block_d, num_warps=warps,
+            )
 
 
 @bucket_partials.register_fake
@@ -244,10 +264,11 @@ def bucket_sums(partials: Tensor, chunk_offsets: Tensor, table: Tensor, ints: li
     block_c, block_d, warps, static = ints
     rows, dim = table.shape
     num_chunks = partials.shape[0] // (2 if static else 1)
-    _kernels_module("_table_triton").bucket_sums_kernel[(rows, cdiv(dim, block_d))](
-        partials, chunk_offsets, table, rows - 1, num_chunks, dim,
-        STATIC=bool(static), BLOCK_C=block_c, BLOCK_D=block_d, num_warps=warps,
-    )
+    with on_device(table.device):
+        _kernels_module("_table_triton").bucket_sums_kernel[(rows, cdiv(dim, block_d))](
+            partials, chunk_offsets, table, rows - 1, num_chunks, dim,
+            STATIC=bool(static), BLOCK_C=block_c, BLOCK_D=block_d, num_warps=warps,
+        )
 
 
 @bucket_sums.register_fake
