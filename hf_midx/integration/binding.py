@@ -58,9 +58,12 @@ def _own_loss_function(host: nn.Module, *, remove: bool = False):
 
 @dataclass
 class MidxFusedOutput(ModelOutput):
-    """What a wrapped model returns for ``model(..., labels=..., fused_lm_head=True)`` in training mode.
+    """What a wrapped model returns for ``model(..., labels=..., fused_lm_head=True)`` in training mode where the
+    call is answered by the head: the sampled softmax (a plain NLL), or ``log_probs="exact-forward"`` (then
+    ``log_probs``, ``entropy``, ``log_sum_sq_probs``, ``mean_logits`` and ``is_top1`` are exact, as TRL's, and only
+    the gradient of the first two is estimated: :meth:`~hf_midx.MidxLMHead.exact_log_probs`).
 
-    The fields of TRL's ``FusedCausalLMOutput`` (``add_fused_lm_head``), from the sampled softmax.
+    The fields of TRL's ``FusedCausalLMOutput`` (``add_fused_lm_head``); below, those of the sampled softmax.
     Per-token fields have the shape of the shifted labels: (B, S - 1), or (B, S) with ``shift_labels``.
 
     Attributes:
