@@ -242,19 +242,23 @@ class _LargestTensor(torch.overrides.TorchFunctionMode):
 
 
 @needs_trl_fused
-def test_exact_log_probs_build_no_tokens_by_vocabulary_tensor():
-    """At V = 65,536 (two of TRL's 32,768-wide vocabulary tiles), a training call for exact log-probs and its
-    backward never hold a (tokens x V) tensor; an evaluation call for logits does (the watch can see one)."""
+@pytest.mark.parametrize("log_probs", ["exact", "exact-forward"])
+def test_exact_log_probs_build_no_tokens_by_vocabulary_tensor(log_probs):
+    """At V = 65,536 (two of TRL's 32,768-wide vocabulary tiles, eight of exact-forward's), a training call for exact
+    log-probs and its backward never hold a (tokens x V) tensor; an evaluation call for logits does (the watch can
+    see one)."""
     vocab, tokens = 65_536, 2 * 40
     model = tiny_model("llama", vocab_size=vocab, seed=0)
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
-    hf_midx.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=2, log_probs="exact"))
+    hf_midx.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=2, log_probs=log_probs))
+    find_head(model).binding.log_prob_decision = decide_log_probs(
+        log_probs, TrainingArguments(output_dir="unused", report_to=[], use_cpu=True))
     ids = torch.randint(0, vocab, (2, 41))
     model.train()
     with _LargestTensor() as watch:
         out = model(input_ids=ids, labels=ids, fused_lm_head=True)
         (out.log_probs.sum() + out.entropy.sum()).backward()
-    assert out.log_probs.shape == (2, 40) and find_head(model).sampled_calls == 0
+    assert out.log_probs.shape == (2, 40) and find_head(model).sampled_calls == (log_probs == "exact-forward")
     assert watch.largest < tokens * vocab
     model.eval()
     with _LargestTensor() as watch, torch.no_grad():
