@@ -310,8 +310,7 @@ class MidxConfig:
                     f"({type(value).__name__}); pass a plain Python value, e.g. float(x)."
                 )
         check_sampler_options(self.sampler, self.sampler_options)
-        if self.log_probs not in LOG_PROB_MODES:
-            raise ValueError(f"log_probs must be one of {LOG_PROB_MODES}, got {self.log_probs!r}.")
+        self._check_log_probs()
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}.")
         if self.exact_head != "auto":
@@ -339,6 +338,15 @@ class MidxConfig:
         if self.label_smoothing >= 1:
             raise ValueError(
                 f"label_smoothing must be in [0, 1) (e.g. 0.1; 0 turns it off), got {self.label_smoothing}."
+            )
+
+    def _check_log_probs(self) -> None:
+        if self.log_probs not in LOG_PROB_MODES:
+            raise ValueError(f"log_probs must be one of {LOG_PROB_MODES}, got {self.log_probs!r}.")
+        if self.log_probs == "exact-forward" and self.negatives == "shared":
+            raise ValueError(
+                "log_probs='exact-forward' draws num_samples negatives per token; with negatives='shared' that is "
+                f"the pool size ({self.num_samples}). Use negatives='per-query' (M = 20 by default) with it."
             )
 
     def _check_refresh(self) -> None:

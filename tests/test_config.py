@@ -344,3 +344,11 @@ def test_model_card_shows_what_each_sampler_uses():
     assert (default["mixture_text"], default["quantizer"], default["last_stage"]) == (
         "0.5 x unigram + 0.5 x MIDX", "residual (rq)", "uniform")
     assert midx_training_facts(MidxConfig(), [{"eval_loss": float("nan")}])["eval_perplexity"] == "nan"  # not "inf"
+
+
+def test_log_probs_is_checked_and_exact_forward_needs_per_query_negatives():
+    with pytest.raises(ValueError, match="log_probs must be one of"):
+        MidxConfig(log_probs="estimated")
+    with pytest.raises(ValueError, match="negatives='per-query'"):
+        MidxConfig(log_probs="exact-forward", negatives="shared")
+    assert MidxConfig(log_probs="exact-forward").num_samples == 20

@@ -39,8 +39,9 @@ class LogProbDecision:
     Attributes:
         route: one of :data:`ROUTES`.
         reason: one line for the log, naming the trainer's arguments and what follows from them.
-        temperature: the temperature TRL's fused head divides the logits by (``args.temperature`` of GRPO and RLOO,
-            else 1.0); the "exact-forward" route applies it.
+        temperature: the temperature TRL's fused head divides the logits by: ``args.temperature``, which GRPO and RLOO
+            pass to ``add_fused_lm_head``; 1.0 where the arguments have none (DPO, KTO, SFT, whose heads use 1.0).
+            The "exact-forward" route applies it.
     """
 
     route: str
