@@ -24,6 +24,7 @@ from .diagnostics import proposal_diagnostics
 from .kernel_guard import KernelGuard
 from ..losses.exact_head import auto_exact_head, exact_head_ids
 from ..losses import full_softmax_loss, sampled_softmax_loss
+from ..losses.full import assert_labels_in_range
 from ..losses.log_probs import LogitTransform, SampledGradientLogProbs, log_prob_statistics
 from ..losses.precision import product_dtype
 from ..registry import build_sampler  # any hf_midx import runs hf_midx/__init__, which registers the samplers
@@ -254,12 +255,18 @@ class MidxLMHead(nn.Module):
             ``log_sum_sq_probs`` and ``mean_logits`` (float32, no gradient) and ``is_top1`` (bool), each of the
             labels' shape and 0 (False) where ignored.
         """
+        if not temperature > 0:
+            raise ValueError(f"temperature must be a positive number (the logits are divided by it), got {temperature!r}.")
+        if labels.numel() * hidden.shape[-1] != hidden.numel():
+            raise ValueError(f"exact_log_probs needs one label per hidden state: hidden {tuple(hidden.shape)}, labels "
+                             f"{tuple(labels.shape)}.")
         weight, bias = self.weight, self.bias
         check_whole(weight)
         h = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1).to(device=h.device, dtype=torch.long)
         valid = y != ignore_index
         y = y.masked_fill(~valid, 0)
+        assert_labels_in_range(y, self.num_classes)  # on the device: no sync
         transform = LogitTransform(float(temperature), self.logit_scale, self.logit_softcap)
         stats = log_prob_statistics(h, weight, bias, y, transform)
         sampler = self._sampler_on(weight.device)

@@ -48,11 +48,6 @@ class LogProbDecision:
     reason: str
     temperature: float = 1.0
 
-    @property
-    def sampled(self) -> bool:
-        """True where the values are the sampled softmax's estimates."""
-        return self.route == "sampled"
-
 
 def decide_log_probs(mode: str, args, trainer_name: str | None = None) -> LogProbDecision:
     """The decision for a run of ``args`` (a ``TrainingArguments``, e.g. TRL's ``SFTConfig`` / ``DPOConfig``)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._ops import soft_cap
+
 #: Classes and tokens per tile of the exact forward: (1024, 8192) float32 logits, 32 MiB.
 CLASS_TILE, TOKEN_TILE = 8192, 1024
 
@@ -33,10 +35,7 @@ class LogitTransform:
 
     def __call__(self, raw: torch.Tensor) -> torch.Tensor:
         """Transformed logits of float32 ``raw`` (any shape)."""
-        y = raw * self.scale
-        if self.softcap is not None:
-            y = self.softcap * torch.tanh(y / self.softcap)
-        return y / self.temperature
+        return soft_cap(raw * self.scale, self.softcap) / self.temperature
 
     def slope(self, raw: torch.Tensor) -> torch.Tensor:
         """dz / d raw, elementwise (float32, the shape of ``raw``)."""
@@ -59,9 +58,9 @@ def log_prob_statistics(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
         ``mean_logits`` (the mean z over V), and bool ``is_top1`` (the label is the first most likely class).
     """
     t, vocab = hidden.shape[0], weight.shape[0]
-    stats = {name: torch.zeros(t) for name in ("log_z", "label_logit", "entropy", "log_sum_sq_probs", "mean_logits")}
-    stats["is_top1"] = torch.zeros(t, dtype=torch.bool)
-    stats = {k: v.to(hidden.device) for k, v in stats.items()}
+    names = ("log_z", "label_logit", "entropy", "log_sum_sq_probs", "mean_logits")
+    stats = {name: torch.zeros(t, device=hidden.device) for name in names}
+    stats["is_top1"] = torch.zeros(t, dtype=torch.bool, device=hidden.device)
     for start in range(0, t, TOKEN_TILE):
         h, y = hidden[start:start + TOKEN_TILE].float(), labels[start:start + TOKEN_TILE]
         n = h.shape[0]

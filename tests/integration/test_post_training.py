@@ -311,4 +311,15 @@ def test_liger_fused_cross_entropy_is_refused_naming_the_fix(tmp_path):
     with pytest.raises(ValueError, match="fused_linear_cross_entropy': False"):
         decide_log_probs("auto", args, "Trainer")
     args.liger_kernel_config = {"fused_linear_cross_entropy": False}
-    assert decide_log_probs("auto", args, "Trainer").sampled is False
+    assert decide_log_probs("auto", args, "Trainer").route == "exact"
+
+
+def test_exact_log_probs_refuses_what_it_cannot_score():
+    model = hf_midx.wrap(tiny_model("llama", vocab_size=V, seed=0), MidxConfig(num_samples=8, codebook_size=8))
+    head, hidden = find_head(model), torch.randn(2, 5, 32)
+    with pytest.raises(ValueError, match="temperature must be a positive number"):
+        head.exact_log_probs(hidden, torch.zeros(2, 5, dtype=torch.long), temperature=0.0)
+    with pytest.raises(ValueError, match="one label per hidden state"):
+        head.exact_log_probs(hidden, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="labels outside"):
+        head.exact_log_probs(hidden, torch.full((2, 5), V, dtype=torch.long))
