@@ -74,8 +74,9 @@ class CandidateLogits(torch.autograd.Function):
             grad_weight = spread(ctx.factors, grad_table.to(acc))
         elif need_w:
             grad_weight = weight.new_zeros(weight.shape, dtype=acc)
-        for s in range(0, t, ctx.chunk):
-            part = slice(s, s + ctx.chunk)
+        # One chunk (up to GATHER_BYTES) walks no range over T: a symbolic T under torch.compile stays symbolic.
+        parts = [slice(None)] if ctx.chunk >= t else [slice(s, s + ctx.chunk) for s in range(0, t, ctx.chunk)]
+        for part in parts:
             if need_h:  # grad_hidden[t] = sum_r g[t, r] weight[rows[t, r]]: the forward's gather, kept or again
                 w = kept if kept is not None else weight.index_select(0, rows[part].reshape(-1)).view(-1, r, d)
                 gh = torch.bmm(g[part].unsqueeze(1), w).squeeze(1).to(hidden.dtype)

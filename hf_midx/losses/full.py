@@ -75,10 +75,12 @@ def full_softmax_loss(
         hidden: (T, D); weight: (V, D); labels: (T,) int64 or ``ignore_index``; bias: optional (V,).
         chunk_size: tokens per chunk (default: about 2^24 logits a chunk, 64 to 1024 tokens).
         check_labels: range-check the labels with a ValueError (one device sync); with False a
-            device-side assertion checks them instead.
+            device-side assertion checks them instead (as it does under ``torch.compile``: no graph break).
     Returns:
         float32 scalar ("mean"/"sum") or (T,) ("none").
     """
+    if check_labels and torch.compiler.is_compiling():
+        check_labels = False  # a host read would break the graph: the asynchronous check runs instead
     check_loss_inputs(hidden, weight, labels, bias, ignore_index, reduction, check_labels)
     if not check_labels:
         assert_labels_in_range(labels.masked_fill(labels == ignore_index, 0), weight.shape[0])
@@ -97,8 +99,10 @@ def full_softmax_loss(
             ignore_index=ignore_index,
             # An explicit chunk: on CPU the "auto" chunking of torch 2.13 ran 10-30x slower than
             # plain chunks (10.1 s vs 0.37 s for T=5100, V=33k, no grad).
+            # Under torch.compile torch forces allow_retain_graph=True with a warning, a graph break: asked for here.
             options=torch.nn.LinearCrossEntropyOptions(
-                batch_chunk_size=_token_chunk(weight.shape[0], chunk_size), chunking_method=None
+                batch_chunk_size=_token_chunk(weight.shape[0], chunk_size), chunking_method=None,
+                allow_retain_graph=torch.compiler.is_compiling(),
             ),
         ).float()
     else:

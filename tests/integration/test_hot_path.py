@@ -385,3 +385,70 @@ def test_sampled_loss_with_default_arguments_compiles_fullgraph():
     assert torch.isfinite(loss) and float(weight.grad.abs().sum()) > 0
     with pytest.raises(ValueError, match="outside"):
         loss_fn(hidden, weight, labels + 200)  # eager calls keep the ValueError
+
+
+class GraphCounter:
+    """A ``torch.compile`` backend that runs each graph as traced and counts the graphs it was given."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return gm.forward
+
+
+def _graphs_over_lengths(model, lengths, vocab):
+    """Graphs a compiled ``model`` makes over training steps of ``lengths`` tokens a row, and the graph breaks."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    counter = GraphCounter()
+    compiled = torch.compile(model, backend=counter)
+    g = torch.Generator().manual_seed(3)
+    for seq in lengths:
+        ids = torch.randint(vocab, (2, seq), generator=g)
+        loss = compiled(input_ids=ids, labels=ids).loss
+        assert torch.isfinite(loss)
+        loss.backward()
+    return counter.graphs, sum(counters["graph_break"].values())
+
+
+def test_wrapped_model_compiles_no_more_graphs_over_lengths_than_the_plain_model():
+    """Issue 74 (3): over 5 sequence lengths torch.compile makes one graph, then one with the length symbolic
+    (automatic dynamic shapes); the wrapped model's loss made one graph per length (a Python loop over the symbolic T
+    in the candidate logits' backward specialized it), up to torch's recompile limit. Now no more graphs than the
+    plain model's plus one, and no graph break."""
+    vocab, lengths = 256, (8, 12, 16, 20, 24)
+    plain = _graphs_over_lengths(tiny_model("llama", vocab).train(), lengths, vocab)
+    model = tiny_model("llama", vocab)
+    hf_midx.wrap(model, num_samples=16, codebook_size=8, exact_head=32, class_counts=torch.arange(vocab) + 1.0)
+    wrapped = _graphs_over_lengths(model.train(), lengths, vocab)
+    assert plain[1] == wrapped[1] == 0, (plain, wrapped)
+    assert wrapped[0] <= plain[0] + 1 and plain[0] < len(lengths), (plain, wrapped)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["sampled", "exact"])
+def test_head_loss_with_dynamic_tokens_is_one_graph_and_the_eager_loss(exact):
+    """T marked dynamic (``torch._dynamo.mark_dynamic``): one graph serves 3 token counts, with no
+    ConstraintViolationError (nothing specializes T to a Python int), and each compiled loss is the eager one from
+    the same generator state. ``exact``: the full softmax (evaluation), whose label check no longer reads the host."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(1, 1000, (500,), generator=g).double()
+    head = MidxLMHead(torch.nn.Linear(16, 500, bias=False), MidxConfig(codebook_size=8), class_counts=counts)
+    head.loss(torch.randn(8, 16), torch.randint(500, (8,)))  # the first call's kernel choice, eagerly (as training)
+    counter = GraphCounter()
+    compiled = torch.compile(lambda h, y: head.loss(h, y, exact=exact), fullgraph=True, backend=counter)
+    for t in (24, 40, 72):
+        hidden = torch.randn(t, 16, generator=g, requires_grad=True)
+        labels = torch.multinomial(counts.float(), t, replacement=True, generator=g)
+        labels[::7] = -100
+        torch._dynamo.mark_dynamic(hidden, 0)
+        torch._dynamo.mark_dynamic(labels, 0)
+        start = head.sampler.generator.get_state()
+        got = compiled(hidden, labels)
+        head.sampler.generator.set_state(start)
+        torch.testing.assert_close(got, head.loss(hidden, labels, exact=exact))
+        got.backward()
+    assert counter.graphs == 1

@@ -55,10 +55,16 @@ class Blocks:
         hundreds of times (frequent labels, popular buckets) takes a quarter of the steps. Compiled for
         sm_90 it needs ~120 registers a thread and spills none (cuobjdump), two programs an SM; (16, 4, 128)
         needed ~180 (one program an SM) and an int64 walk 255 with spills. 128 divides D at the four LLM
-        shapes (640 to 4,096)."""
+        shapes (640 to 4,096).
+
+        On a GPU no tile depends on ``num_tokens``: under ``torch.compile`` with dynamic shapes it is a symbolic
+        size, and one graph serves every sequence length (a block past T is masked). The interpreter sees a
+        concrete T and caps the token tile at it."""
         budget = 1 << (19 if interpreted else 13)
         d = min(pow2(dim), 128 if interpreted else 32)
-        t = max(1, min(pow2(num_tokens), budget // (pow2(rows) * d)))
+        t = max(1, budget // (pow2(rows) * d))
+        if interpreted:
+            t = min(pow2(num_tokens), t)
         t = 1 << (t.bit_length() - 1)  # a power of two below the budget
         if interpreted:  # within the interpreter's 2^20 elements a tile
             return cls(t=t, d=d, h=max(16, min(1024, (1 << 20) // t)), v=1024, p=8, vd=min(pow2(dim), 128))

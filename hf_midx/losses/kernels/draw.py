@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import check_fused, triton_interpreting
+from .launch import check_fused, pow2, triton_interpreting
 
 #: The largest K * K the kernel takes: a token's bucket logits, exponentials and running sums stay in registers
 #: (BLOCK_T x K * K floats each, over 4 warps). K = 64 (4,096 buckets) fits; a larger codebook keeps the eager draw.
@@ -79,11 +79,14 @@ def launch_options(num_tokens: int, codebook_size: int, interpreted: bool) -> li
     4,096 floats a tensor over 4 warps (K = 32: 4 tokens a program). Built by ptxas for sm_80 to sm_120
     (``recipes/benchmarks/results/kernel-builds/``, not timed on a GPU) it takes 95-96 registers a thread and no
     stack, 5 programs an SM; at 8 warps it takes 64-78 but 8 B of stack a thread on sm_86 and later, at any register
-    cap. The interpreter runs a program at a time in Python, so there the tiles are as large as the problem allows."""
-    block_b = 1 << max(0, codebook_size * codebook_size - 1).bit_length()
-    budget = (1 << 18) if interpreted else 4096
-    block_t = max(1, min(1 << max(0, num_tokens - 1).bit_length(), budget // block_b))
-    return [codebook_size, block_t, 4]
+    cap. The interpreter runs a program at a time in Python, so there the tiles are as large as the problem allows.
+
+    On a GPU the tile does not depend on T, a symbolic size under ``torch.compile`` with dynamic shapes (one graph
+    for every sequence length; tokens past T are masked); the interpreter sees a concrete T."""
+    block_b = pow2(codebook_size * codebook_size)
+    if not interpreted:
+        return [codebook_size, max(1, 4096 // block_b), 4]
+    return [codebook_size, max(1, min(pow2(num_tokens), (1 << 18) // block_b)), 4]
 
 
 __all__ = ["MAX_BUCKETS", "fits", "launch_options", "midx_bucket_draw"]
