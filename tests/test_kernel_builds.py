@@ -38,19 +38,21 @@ def test_default_kernels_build_without_spills(builds, cc):
     # The tail's bucket table serves the expected tail gradient, which a soft-capped head (Gemma-2) does not take.
     uncapped = {shape for shape, (_, _, softcap) in kernel_builds.SHAPES.items() if softcap is None}
     kernels = {"candidate_forward_kernel": every, "candidate_grad_hidden_kernel": every,
-               "candidate_grad_weight_kernel": every, "counter_rand_kernel": every, "midx_draw_kernel": every,
+               "candidate_grad_weight_kernel": every, "candidate_long_runs_kernel": every,
+               "counter_rand_kernel": every, "midx_draw_kernel": every,
                "bucket_partials_kernel": uncapped, "bucket_sums_kernel": uncapped}
     for kernel, shapes in kernels.items():
         built = {shape for b in entry["builds"] if b["kernel"] == kernel for shape in b["shapes"]}
         assert built == shapes, (kernel, built)
-        # Each kernel for a bfloat16 head (and a mixed-precision step's, which launches the same) and a float32 one.
+        # Each kernel for a bfloat16 head, a float32 one and a mixed-precision step's (a float32 weight, bf16 hidden).
         assert {d for b in entry["builds"] if b["kernel"] == kernel for d in b["dtypes"]} == set(kernel_builds.DTYPES)
 
 
 def test_launches_are_captured_alike_for_every_target():
     """run() captures each shape once: the launches do not depend on the target the driver reports."""
     keys = [[launch.key() for launch in kernel_builds.default_launches("qwen2.5-0.5b", cc)] for cc in (80, 120)]
-    assert keys[0] == keys[1] and len(keys[0]) == 7  # the loss's three kernels, the table's two, the draw's two
+    # The loss's four kernels (the long runs' chunks before the weight gradient), the table's two, the draw's two.
+    assert keys[0] == keys[1] and len(keys[0]) == 8
 
 
 def test_occupancy_follows_the_calculator():

@@ -208,14 +208,15 @@ class MidxLMHead(nn.Module):
         check_whole(weight)  # a ZeRO-3 slice outside the engine's forward: one clear error
         if reduction is None:
             reduction = "mean" if num_items_in_batch is None else "sum"
-        # Under autocast the sampled loss multiplies in its dtype, as an nn.Linear head would (float32 accumulation,
-        # a float32 gradient back through the cast: hf_midx.losses.precision); the exact loss keeps the weight's
-        # precision. Either runs with autocast off: it would recast some of the loss's ops and not the kernels.
+        # Under autocast the sampled loss multiplies in its dtype as an nn.Linear head would, the weight uncast (the
+        # loss casts it where its path needs a copy; hf_midx.losses.precision); the exact loss keeps the weight's
+        # precision. Either runs with autocast off, the kernels' probe under the caller's (it probes the AMP step).
         dtype = weight.dtype if exact else product_dtype(weight)
+        kernels = None if exact else self.kernel_guard.kernels(self.config, self._sampler_on(weight.device), weight,
+                                                               bias, self.logit_softcap)
         autocast = torch.is_autocast_enabled(h.device.type)
         with torch.autocast(h.device.type, enabled=False) if autocast else contextlib.nullcontext():
-            weight = weight.to(dtype)
-            bias = bias if bias is None or exact else bias.to(dtype)  # as nn.Linear's, with the weight
+            bias = bias if bias is None or exact else bias.to(dtype)  # as nn.Linear's: (V,), in the products' dtype
             raw = h = h.to(dtype)
             if self.logit_scale != 1.0:
                 h = h * self.logit_scale
@@ -225,13 +226,12 @@ class MidxLMHead(nn.Module):
                 loss = full_softmax_loss(h, weight, y, **options)
             else:
                 cfg, sampler = self.config, self._sampler_on(weight.device)
-                kernels = self.kernel_guard.kernels(cfg, sampler, weight, bias, self.logit_softcap)
                 loss = sampled_softmax_loss(
                     h, weight, y, sampler, cfg.num_samples, negatives=cfg.negatives,
                     remove_accidental_hits=cfg.remove_accidental_hits, check_labels=False, estimator=cfg.estimator,
                     exact_ids=sampler.excluded, kernels=kernels, tail_gradient=cfg.tail_gradient,
                     z_loss=cfg.z_loss, label_smoothing=cfg.label_smoothing, return_z_loss=bool(cfg.z_loss),
-                    **options,  # excluded: on the sampler's device
+                    product_dtype=dtype, **options,  # excluded: on the sampler's device
                 )
                 loss, z_term = loss if cfg.z_loss else (loss, None)
                 if z_term is not None and reduction != "mean":  # logged as a mean over this call's tokens

@@ -50,7 +50,7 @@ from .._ops import soft_cap
 from .candidate_logits import candidate_logits, sampled_softmax_terms
 from ..defaults import ESTIMATORS, KERNEL_MODES, NEGATIVE_MODES  # noqa: F401 (the label's logit; the negatives)
 from .log_z_terms import add_log_z_terms, check_log_z_terms
-from .precision import autocast_products
+from .precision import autocast_products, check_product_dtype, weight_for_products
 from .full import assert_labels_in_range, check_loss_inputs, reduce_tokens
 from .tail_gradient import asks_closed_form, check_closed_form, expected_share
 
@@ -84,6 +84,7 @@ def sampled_softmax_loss(
     z_loss: float = 0.0,
     label_smoothing: float = 0.0,
     return_z_loss: bool = False,
+    product_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sampled-softmax cross-entropy corrected by the proposal (an estimator of the full loss).
 
@@ -139,6 +140,10 @@ def sampled_softmax_loss(
         label_smoothing: eps in [0, 1): the loss becomes (1 - eps) CE + eps (log Z - mean logit), the Trainer's
             ``label_smoothing_factor``, the mean logit exact from the weight's column sum; needs no soft-cap.
         return_z_loss: also return the z-loss term alone (reduced as the loss, no gradient), for logging.
+        product_dtype: the dtype of the products (None: the weight's), as autocast sets it: a float32 weight with
+            torch.bfloat16 multiplies bfloat16-rounded rows with float32 accumulation, ``nn.Linear``'s mixed
+            precision; the fused kernels read the float32 weight and write its float32 gradient (no (V, D) copy),
+            the eager path casts the weight once.
     Returns:
         float32 scalar (or (T,) for "none"); with ``return_z_loss``, (that, the z-loss term likewise).
     """
@@ -152,11 +157,13 @@ def sampled_softmax_loss(
     inner = "none" if with_terms else reduction  # the terms are per token, then reduced
     excluded = sampler.excluded  # (H,) sorted, or None
     num_exact = _check_exact_ids(exact_ids, excluded, check_labels)
-    if hidden.dtype != weight.dtype:
+    dtype = check_product_dtype(product_dtype, weight)
+    if hidden.dtype != dtype:
         # e.g. fp32 hidden states from a norm layer against a bf16 head: one dtype for the matmuls.
-        hidden = hidden.to(weight.dtype)
+        hidden = hidden.to(dtype)
     device = hidden.device
     fused = _runs_fused(kernels, negatives, hidden)  # before the draws: a refused "fused" draws nothing
+    weight = weight if fused else weight_for_products(weight, dtype)  # the kernels round its tiles on chip instead
     valid = labels != ignore_index
     # Ignored tokens get label 0: they are scored like any token, then masked out of the reduction.
     y = (labels * valid).long()
@@ -318,7 +325,7 @@ def _fused_loss(hidden, weight, labels, ids, log_q, log_q_pos, factors, valid, *
         head_ids=head_ids, ignore_index=ignore_index,
         logit_softcap=logit_softcap, corrected_positive=corrected, remove_accidental_hits=drops,
         exact_value=exact_value, reduction=reduction, backend="fused", tail_control=factors is not None,
-        factors=factors,
+        factors=factors, product_dtype=hidden.dtype,
     )
     # The kernels gave each draw's share back (out[1]); the expected part is added here.
     if factors is None:

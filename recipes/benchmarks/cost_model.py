@@ -370,11 +370,14 @@ def _triton_cost(name: str, a: dict) -> tuple[int, int, int, str]:
         # One program per block of classes over all of D: each class's run of sorted (t, r) pairs walked once
         # (a hidden row gathered and one fma per pair and feature, on CUDA cores), each (V, D) row written once,
         # started at the tail's spread (each class reads its bucket's row of the (B + 1, D) table gradient, which
-        # stays in L2, and its static row). Not modelled: a class with a long run is one program's serial walk
-        # (the exact head takes the most frequent labels; the draws' repeats are unknown under fake tensors).
+        # stays in L2, and its static row). A class walks at most RUN pairs (ints[5]) itself: where the pairs pass
+        # RUN a first kernel reads every pair's class and run start and sums the runs' overflow by chunks of RUN
+        # pairs (a few (P / RUN, D) float32 rows, read back by the long classes), so no class is one program's long
+        # serial walk (the draws' repeats are unknown under fake tensors: their hidden rows are counted once above).
         rows = pairs * d * a["hidden"].element_size()
-        rest = [x for k in ("order", "starts", "g_cand", "grad_weight", "grad_bias", "grad_table", "bucket", "member",
-                            "static") if isinstance(x := a.get(k), TensorMeta)]
+        rest = [x for k in ("order", "keys", "starts", "g_cand", "grad_weight", "grad_bias", "grad_table", "bucket",
+                            "member", "static") if isinstance(x := a.get(k), TensorMeta)]
+        rows += 4 * pairs if pairs > a["ints"][5] else 0  # the first kernel's gather of each pair's run start
         spread = 4 * v * d if isinstance(a.get("grad_table"), TensorMeta) else 0
         note = f"{pairs} (token, class) pairs; writes (V, D) = ({v}, {d}) once" + (", with the tail's spread" if spread else "")
         return rows + _unique_bytes(rest), 0, 2 * pairs * d + spread, note
@@ -463,6 +466,8 @@ def cost(op: TracedOp, machine: dict = H200) -> Launch:
         impl = "gemm (tensor cores)" if low else f"gemm ({str(ins[0].dtype).replace('torch.', '')}, CUDA cores)"
     elif impl == "triton":
         nbytes, flops_tc, flops_fp32, note = _triton_cost(name, a)
+        if name == "hf_midx.candidate_grad_weight" and a["order"].numel() > a["ints"][5]:
+            kernels = 2  # the long runs' chunks first (hf_midx/losses/kernels/launch.py)
     elif impl == "embedding_bag":
         weight, indices = a["weight"], a["indices"]
         bags, longest = _bags(a), op.longest_bag
@@ -641,9 +646,11 @@ def project_frozen(v: int, d: int, t: int, *, machine: dict = H200, **options) -
 
 
 def project_amp(v: int, d: int, t: int, *, machine: dict = H200, **options) -> dict:
-    """The mixed-precision step at (V, D, T) (issue 68): float32 weights and hidden states under bf16 autocast, the
-    Trainer's bf16=True for a model trained from scratch. The head casts its weight and hidden states to bfloat16
-    and runs the bfloat16 step (``hf_midx.losses.precision``): its projected ms and launches, the casts included."""
+    """The mixed-precision step at (V, D, T) (issues 68, 74): float32 weights and hidden states under bf16 autocast,
+    the Trainer's bf16=True for a model trained from scratch. The hidden states are cast to bfloat16; the kernels
+    read the float32 weight as it is (rounding its tiles on chip) and write its float32 gradient, so no (V, D) copy
+    is traced; the launches that read or write the weight's rows move 4 bytes an element where the bfloat16 step
+    moves 2 (``hf_midx.losses.precision``): its projected ms and launches."""
     head, weight, hidden, labels = default_head(v, d, t, dtype=torch.float32, **options)
     with torch.autocast(weight.device.type, dtype=torch.bfloat16):
         out = project_head(head, weight, hidden, labels, machine=machine)
@@ -656,12 +663,16 @@ def render_amp(shapes: list[dict]) -> str:
     table = common.markdown_table(shapes, [
         ("model", "model"), ("V x D", lambda s: f"{s['V']:,} x {s['D']:,}"),
         ("bf16 (ms)", lambda s: f"{s['projected_ms']:.2f}"), ("bf16 launches", "launches"),
-        ("AMP, fp32 weights (ms)", lambda s: f"{s['amp_projected_ms']:.2f}"), ("AMP launches", "amp_launches"),
+        ("AMP, fp32 weights (ms)", lambda s: f"{s['amp_projected_ms']:.2f}"),
+        ("AMP / bf16", lambda s: common.fmt_ratio(s["amp_projected_ms"] / s["projected_ms"], 2)),
+        ("AMP launches", "amp_launches"),
         ("AMP calibrated (ms)", lambda s: f"{s['amp_calibrated_ms']:.2f}")])
     return "\n".join(["## Mixed precision: float32 weights under bf16 autocast beside the bfloat16 head", "",
-                       "The head casts its float32 weight (and the hidden states) to bfloat16 each step, as an "
-                       "nn.Linear head under autocast does, and runs the bfloat16 step's kernels; the weight's "
-                       "gradient comes back to float32 through the cast.", "", table, ""])
+                       "The head multiplies in bfloat16 as an nn.Linear head under autocast does: the hidden states "
+                       "cast to bfloat16, the float32 weight read by the kernels as it is (each tile rounded on chip) "
+                       "and its float32 gradient written by the weight-gradient kernel, with no (V, D) copy either "
+                       "way; the kernels that read or write the weight's rows move 4 bytes an element instead of 2.",
+                       "", table, ""])
 
 
 def render_frozen(shapes: list[dict]) -> str:

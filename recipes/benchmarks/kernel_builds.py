@@ -13,9 +13,10 @@ weight is an untouched ``torch.empty`` of the real (V, D) (no memory is written)
 ``Blocks.choose`` picks at T = 8,192; the capture runs T = 16 tokens, which Triton specializes as it does 8,192
 (both divisible by 16), so that the exact head's GEMMs stay cheap on a CPU. The default path has two kernel sets:
 with the expected tail gradient (the bucket table's gradient spread in the weight-gradient kernel), and, for a
-soft-capped head (Gemma-2), the sampled tail gradient with the soft-cap; each for a bfloat16 head (which a
-mixed-precision step with float32 weights launches too: the head casts to bfloat16 first) and a float32 one. Each
-distinct (kernel, configuration, target) is built once; Triton's on-disk cache keeps the builds for the next run.
+soft-capped head (Gemma-2), the sampled tail gradient with the soft-cap; each for a bfloat16 head, a float32 one,
+and a mixed-precision step's (float32 weights under bf16 autocast: the kernels read the float32 weight and round its
+tiles to the bfloat16 hidden states' dtype on chip, no copy of the weight). Each distinct (kernel, configuration,
+target) is built once; Triton's on-disk cache keeps the builds for the next run.
 
 Run: ``python recipes/benchmarks/kernel_builds.py --out recipes/benchmarks/results/kernel-builds`` (about two
 minutes on 2 CPU cores cold, seconds with Triton's cache warm); ``--targets 90`` for some targets only.
@@ -48,10 +49,10 @@ CAPTURE_TOKENS = 16
 #: The shapes built: the four LLM heads and a 2^20-class one; Gemma-2's soft-cap (its final_logit_softcapping).
 SHAPES = {name: (v, d, 30.0 if name == "gemma2-2b" else None) for name, (v, d) in common.MODEL_SHAPES.items()}
 SHAPES["1m-1024"] = (1 << 20, 1024, None)
-#: The head's dtypes built. bfloat16: a bfloat16 model, and mixed precision (float32 weights under bf16 autocast, the
-#: Trainer's bf16=True), whose head casts its weight to bfloat16 first (hf_midx.losses.precision), so that it launches
-#: these very variants; float32: pure float32 training (issue 68: its forward spilled 32 B a thread on sm_80).
-DTYPES = ("bfloat16", "float32")
+#: The head's dtypes built. bfloat16: a bfloat16 model; float32: pure float32 training (issue 68: its forward
+#: spilled 32 B a thread on sm_80); mixed: float32 weights under bf16 autocast (the Trainer's bf16=True), whose
+#: kernels read the float32 weight with bfloat16 hidden states (hf_midx.losses.precision; issue 74).
+DTYPES = ("bfloat16", "float32", "mixed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,8 +168,9 @@ def default_launches(shape: str, cc: int, dtype: str = "bfloat16") -> list[Launc
     h = cfg.exact_head if isinstance(cfg.exact_head, int) else min(EXACT_HEAD_MAX, num_classes // 8)
     t, m, b = CAPTURE_TOKENS, cfg.num_samples, cfg.codebook_size**2
     g = torch.Generator().manual_seed(0)
-    weight = torch.empty(num_classes, dim, dtype=getattr(torch, dtype), requires_grad=True)  # never written
-    hidden = torch.randn(t, dim, generator=g).to(weight.dtype).requires_grad_()
+    weight_dtype, hidden_dtype = (torch.float32, torch.bfloat16) if dtype == "mixed" else (getattr(torch, dtype),) * 2
+    weight = torch.empty(num_classes, dim, dtype=weight_dtype, requires_grad=True)  # never written
+    hidden = torch.randn(t, dim, generator=g).to(hidden_dtype).requires_grad_()
     labels, ids = torch.randint(num_classes, (t,), generator=g), torch.randint(num_classes, (t, m), generator=g)
     log_q, log_q_pos = torch.randn(t, m, generator=g), torch.randn(t, generator=g)
     head = torch.arange(h) * (num_classes // h)  # (H,) sorted, distinct
@@ -321,8 +323,8 @@ def markdown(result: dict) -> str:
     lines = [
         "# The fused kernels built for each GPU target (no GPU: Triton's compiler, its ptxas and cuobjdump)", "",
         f"Triton {s['triton']}, torch {s['torch']}; the default path's launches at T = {s['T']:,}, the head in "
-        f"{' and '.join(s['dtypes'])} (bfloat16 is also the mixed-precision step's: float32 weights under bf16 "
-        "autocast are cast to bfloat16 first), "
+        f"{', '.join(s['dtypes'])} (mixed: float32 weights read by the kernels with bfloat16 hidden states, the "
+        "step under bf16 autocast), "
         "captured from the launch code (see `recipes/benchmarks/kernel_builds.py`). Shared: bytes a program; "
         "occupancy: resident warps / the SM's warp slots. Regenerate: "
         "`python recipes/benchmarks/kernel_builds.py --out recipes/benchmarks/results/kernel-builds`.", "",

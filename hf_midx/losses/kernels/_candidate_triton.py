@@ -72,7 +72,9 @@ def _dot_rows(
     hidden_ptr, weight_ptr, t64, t_ok, row, cand_ok, D, stride_hidden, stride_weight,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """x[t, r] = hidden[t] . weight[row[t, r]] in float32, over D in blocks: (BLOCK_T, BLOCK_R)."""
+    """x[t, r] = hidden[t] . weight[row[t, r]] in float32, over D in blocks: (BLOCK_T, BLOCK_R). A weight wider
+    than the hidden states (float32 under bf16 autocast) is rounded to their dtype in registers, tile by tile: the
+    products are the mixed-precision step's, with no (V, D) copy of the weight."""
     x = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
@@ -84,7 +86,7 @@ def _dot_rows(
             weight_ptr + row[:, :, None] * stride_weight + d[None, None, :],
             mask=cand_ok[:, :, None] & d_ok[None, None, :],
             other=0.0,
-        ).to(tl.float32)
+        ).to(hidden_ptr.dtype.element_ty).to(tl.float32)
         x += tl.sum(w * h[:, None, :], axis=2)
     return x
 
@@ -267,6 +269,8 @@ def candidate_grad_hidden_kernel(
     ``gscale`` is the upstream gradient per token (stride 0 for a scalar); ``base`` (T, D), not scaled, is the
     exact head's part (one GEMM outside, of the head's unscaled logit gradient: the scale is applied here, to a
     (T, D) tile in registers, instead of to the (T, H) gradient in memory). Each output element is written once.
+    A weight wider than ``out`` (float32 under bf16 autocast) is rounded to out's dtype in registers, as the forward
+    rounds it.
     """
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -282,7 +286,7 @@ def candidate_grad_hidden_kernel(
         weight_ptr + row[:, :, None] * stride_weight + d[None, None, :],
         mask=ok[:, :, None] & d_ok[None, None, :],
         other=0.0,
-    ).to(tl.float32)
+    ).to(out_ptr.dtype.element_ty).to(tl.float32)
     acc = tl.sum(w * g[:, :, None], axis=1)
     out_ok = t_ok[:, None] & d_ok[None, :]
     if HAS_BASE:
@@ -292,13 +296,62 @@ def candidate_grad_hidden_kernel(
 
 
 @triton.jit
+def candidate_long_runs_kernel(
+    hidden_ptr, order_ptr, keys_ptr, starts_ptr, g_cand_ptr, gscale_ptr, partial_ptr, partial_bias_ptr,
+    P, D, R, V,
+    stride_hidden, stride_gscale,
+    HAS_BIAS: tl.constexpr, RUN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The long runs' overflow, before :func:`candidate_grad_weight_kernel`: chunk c = pid(0) of the P sorted pairs
+    (positions c * RUN ..) sums gscale[t] g_cand[t, r] hidden[t] over its pairs that lie RUN or more pairs into their
+    class's run into partial[c] (D,) float32, and with HAS_BIAS gscale g into partial_bias[c]. Such pairs belong to
+    one class at most (a run's overflow starts RUN pairs after the run: two classes' overflows are more than RUN
+    apart), so the weight-gradient kernel adds a long class's chunk rows in order: deterministic, no atomics, and
+    a class drawn n times walks RUN pairs and n / RUN rows instead of n pairs. A chunk without overflow writes
+    nothing (no class reads it). ``keys`` (P,) int32 are the pairs' sorted classes (V: a pair of zero gradient)."""
+    c = tl.program_id(0)
+    first = c * RUN  # int32: P < 2^31, checked at the launch
+    k = tl.arange(0, BLOCK_K)
+    over = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    for k0 in range(0, RUN, BLOCK_K):
+        pos = first + k0 + k
+        key = tl.load(keys_ptr + pos, mask=pos < P, other=V)
+        start = tl.load(starts_ptr + key, mask=key < V, other=0)
+        over = tl.maximum(over, ((key < V) & (pos - start >= RUN)).to(tl.int32))
+    if tl.max(over, axis=0) > 0:
+        j = tl.arange(0, BLOCK_P)
+        acc_b = tl.zeros((BLOCK_P,), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            d_ok = d < D
+            acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            for k0 in range(0, RUN, BLOCK_P):
+                pos = first + k0 + j
+                key = tl.load(keys_ptr + pos, mask=pos < P, other=V)
+                ok = key < V
+                ok = ok & (pos - tl.load(starts_ptr + key, mask=ok, other=0) >= RUN)
+                src = tl.load(order_ptr + pos, mask=ok, other=0).to(tl.int32)
+                tok = src // R
+                g = tl.load(g_cand_ptr + src, mask=ok, other=0.0)
+                g *= tl.load(gscale_ptr + tok * stride_gscale, mask=ok, other=0.0).to(tl.float32)
+                h = tl.load(hidden_ptr + tok[:, None] * stride_hidden + d[None, :], mask=ok[:, None] & d_ok[None, :],
+                            other=0.0).to(tl.float32)
+                acc += tl.sum(g[:, None] * h, axis=0)
+                if d0 == 0:
+                    acc_b += g
+            tl.store(partial_ptr + c.to(tl.int64) * D + d, acc, mask=d_ok)
+        if HAS_BIAS:
+            tl.store(partial_bias_ptr + c, tl.sum(acc_b, axis=0))
+
+
+@triton.jit
 def candidate_grad_weight_kernel(
-    hidden_ptr, order_ptr, starts_ptr, g_cand_ptr, gscale_ptr, grad_table_ptr, bucket_ptr, member_ptr, static_ptr,
-    grad_weight_ptr, grad_bias_ptr,
-    V, D, R, B,
+    hidden_ptr, order_ptr, starts_ptr, g_cand_ptr, gscale_ptr, grad_table_ptr, grad_static_ptr, bucket_ptr,
+    member_ptr, static_ptr, partial_ptr, partial_bias_ptr, grad_weight_ptr, grad_bias_ptr,
+    V, D, R,
     stride_hidden, stride_gscale, stride_grad_table, stride_grad_weight,
-    HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_STATIC: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_STATIC: tl.constexpr, LONG_RUNS: tl.constexpr,
+    RUN: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """grad_weight[v] = member[v] G[bucket[v]] + static[v] G[B] + sum over the (t, r) pairs of class v of
     gscale[t] g_cand[t, r] hidden[t]; one program per BLOCK_V classes, over all of D.
@@ -306,17 +359,29 @@ def candidate_grad_weight_kernel(
     The T R pairs come sorted by class: ``order`` (T R,) their flat t * R + r, ``starts`` (V + 1,) int32 where
     each class's run begins (found once, outside). The pairs' offsets are int32 (T R and T D below 2^31, checked
     at the launch): at the sm_90 tile that took the kernel from 255 registers and a spill to ~120 (cuobjdump). With HAS_TABLE the tail's spread starts each row: G the
-    (B + 1, D) float32 gradient of the weight's bucket table, ``bucket`` (V,) int64, ``member`` and ``static``
+    (B + 1, D) float32 gradient of the weight's bucket table (``grad_static`` its row B), ``bucket`` (V,) int64,
+    ``member`` and ``static``
     (V,) float32 (static only with HAS_STATIC). For each D tile the program walks its classes' runs side by
     side, BLOCK_P pairs of each class a step (as many steps as its longest run), and adds g * hidden row into
     a float32 accumulator: every row of grad_weight (zeros included) is written exactly once, no atomics, no
     search. grad_bias (the candidates' part only: the table's stays outside) from one more walk of g.
+
+    With LONG_RUNS a class walks at most RUN pairs of its run; the rest comes as the rows of ``partial`` (and
+    ``partial_bias``) that :func:`candidate_long_runs_kernel` wrote for its chunks of RUN sorted pairs: a tail
+    class drawn thousands of times (a popular bucket) is not one program's serial walk. The table's static row
+    comes as its own pointer: B * stride in int32 passed 2^31 at K^2 = B = 262,144 buckets of D = 8,192.
     """
     v = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = v < V
     v64 = v.to(tl.int64)
     start = tl.load(starts_ptr + v, mask=v_ok, other=0)
     count = tl.load(starts_ptr + v + 1, mask=v_ok, other=0) - start  # 0 past V
+    if LONG_RUNS:
+        # The chunk rows c0 .. of a long run's overflow: positions start + RUN .. start + count - 1.
+        chunk0 = (start + RUN) // RUN
+        chunks = tl.where(count > RUN, (start + count - 1) // RUN - chunk0 + 1, 0)
+        chunk_steps = tl.max(chunks, axis=0)
+        count = tl.minimum(count, RUN)
     steps = tl.max(count, axis=0)
     j = tl.arange(0, BLOCK_P)
     if HAS_TABLE:
@@ -333,7 +398,7 @@ def candidate_grad_weight_kernel(
                 grad_table_ptr + row[:, None] * stride_grad_table + d[None, :], mask=out_ok, other=0.0
             )
             if HAS_STATIC:
-                acc += static[:, None] * tl.load(grad_table_ptr + B * stride_grad_table + d, mask=d_ok, other=0.0)[None, :]
+                acc += static[:, None] * tl.load(grad_static_ptr + d, mask=d_ok, other=0.0)[None, :]
         else:
             acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
         for k0 in range(0, steps, BLOCK_P):
@@ -348,6 +413,11 @@ def candidate_grad_weight_kernel(
                 other=0.0,
             ).to(tl.float32)
             acc += tl.sum(g[:, :, None] * h, axis=1)
+        if LONG_RUNS:
+            for c in range(0, chunk_steps):
+                c_ok = c < chunks
+                acc += tl.load(partial_ptr + (chunk0 + c).to(tl.int64)[:, None] * D + d[None, :],
+                               mask=c_ok[:, None] & d_ok[None, :], other=0.0)
         tl.store(
             grad_weight_ptr + v64[:, None] * stride_grad_weight + d[None, :],
             acc.to(grad_weight_ptr.dtype.element_ty),
@@ -361,4 +431,7 @@ def candidate_grad_weight_kernel(
             g = tl.load(g_cand_ptr + src, mask=ok, other=0.0)
             g *= tl.load(gscale_ptr + (src // R) * stride_gscale, mask=ok, other=0.0).to(tl.float32)
             acc_b += tl.sum(g, axis=1)
+        if LONG_RUNS:
+            for c in range(0, chunk_steps):
+                acc_b += tl.load(partial_bias_ptr + chunk0 + c, mask=c < chunks, other=0.0)
         tl.store(grad_bias_ptr + v64, acc_b.to(grad_bias_ptr.dtype.element_ty), mask=v_ok)

@@ -24,6 +24,10 @@ class Blocks:
     p: int
     warps: int = 8
     vd: int = 32
+    # The pairs of a class the weight gradient's program walks itself (a multiple of p); a longer run's rest is summed
+    # by chunks of ``run`` sorted pairs in parallel first (candidate_long_runs_kernel). 256 on a GPU: 64 steps of 4
+    # pairs at most, where a class drawn 10,000 times (a popular bucket of T M = 160 K draws) walked 2,500.
+    run: int = 256
     # Left to itself, ptxas (CUDA 12.9 / 13.4, as Triton 3.9 bundles them) gives these kernels 64 registers at 8
     # warps and spills 8 B a thread at two of the default path's builds (the soft-capped forward on sm_90 to sm_120,
     # the weight gradient on sm_80); at most 80 it takes 78-80 and spills none, 3 programs an SM
@@ -34,10 +38,10 @@ class Blocks:
     # Triton 3.9 then takes 83-96 (80 without a spill at a cap of 80): 2 programs an SM instead of 3 on either.
     # A spill-free build on the toolchains users get is the rule here; neither was timed on a GPU.
     grad_registers: int = 96
-    # The forward's cap for a float32 weight (pure float32 training; AMP casts the weight to bfloat16 first): at 80
-    # it spilled 32 B of stack a thread on sm_80, at 96 8 B on sm_120, at 104 16 B on sm_90; at 128 it takes 115-122
-    # and spills none on sm_80 to sm_120 (Triton 3.9, a one-off build with kernel_builds.py's capture, the weight
-    # float32), two programs an SM. Not timed on a GPU.
+    # The forward's cap for a float32 weight (pure float32 training; AMP too, whose kernels read the float32 weight):
+    # at 80 it spilled 32 B of stack a thread on sm_80, at 96 8 B on sm_120, at 104 16 B on sm_90; at 128 it takes
+    # 115-122 and spills none on sm_80 to sm_120 (Triton 3.9, a one-off build with kernel_builds.py's capture, the
+    # weight float32), two programs an SM. Not timed on a GPU.
     float32_registers: int = 128
 
     @classmethod

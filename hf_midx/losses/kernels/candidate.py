@@ -46,7 +46,7 @@ import math
 
 import torch
 
-from ..precision import autocast_products
+from ..precision import autocast_products, check_product_dtype, weight_for_products
 from ..tail_gradient import bucket_rows, bucket_table
 
 from .blocks import Blocks
@@ -62,7 +62,9 @@ BACKENDS = ("auto", "fused", "eager")
 # ====================================================================== fused
 class FusedCandidateLoss(torch.autograd.Function):
     """The candidate loss as Triton kernels; see the module docstring. Inputs as :func:`candidate_loss`,
-    already validated, ``hidden`` in ``weight``'s dtype; returns the reduced loss (float32), with
+    already validated, ``hidden`` in the products' dtype (``weight``'s, or a narrower one: a float32 weight under bf16
+    autocast is read as is, each tile rounded to ``hidden``'s dtype on chip, its gradient written in float32);
+    returns the reduced loss (float32), with
     ``tail_control`` (loss, share), and with ``factors`` too (loss, share, the weight's bucket table)."""
 
     @staticmethod
@@ -86,8 +88,9 @@ class FusedCandidateLoss(torch.autograd.Function):
         f32 = torch.float32
         if num_head:
             head_ids = head_ids.contiguous()
-            w_head = weight.index_select(0, head_ids)  # (H, D), kept for the backward GEMMs
-            head_raw = hidden @ w_head.t()  # (T, H): cuBLAS, in the weight's dtype
+            # (H, D) in the products' dtype, kept for the backward GEMMs: the one cast of weight rows (H, not V).
+            w_head = weight.index_select(0, head_ids).to(hidden.dtype)
+            head_raw = hidden @ w_head.t()  # (T, H): cuBLAS, in the products' dtype
             # The gradient overwrites the logits, in their dtype (each read before written; the backward's GEMMs
             # take it in that dtype): g_head None.
             g_head = None
@@ -166,8 +169,8 @@ class FusedCandidateLoss(torch.autograd.Function):
             if bucket is None or grad_table is None or not need_w:
                 grad_table = bucket = member = static = None
             torch.ops.hf_midx.candidate_grad_weight(
-                hidden, order, starts, g_cand, gscale, grad_table, bucket, member, static, grad_weight, grad_bias,
-                [blocks.v, blocks.p, blocks.vd, blocks.warps, blocks.grad_registers],
+                hidden, order, keys, starts, g_cand, gscale, grad_table, bucket, member, static, grad_weight, grad_bias,
+                [blocks.v, blocks.p, blocks.vd, blocks.warps, blocks.grad_registers, blocks.run],
             )
             if ctx.num_head:
                 # Head ids are distinct: index_add_ adds each row once, deterministically. A per-token scale goes on
@@ -178,7 +181,7 @@ class FusedCandidateLoss(torch.autograd.Function):
                 per_token = gscale.dim() > 0
                 if per_token or hidden.dtype == torch.float16:
                     scale = gscale.unsqueeze(1) if per_token else gscale
-                    head_grad = g_head.t() @ (hidden.float() * scale).to(hidden.dtype)
+                    head_grad = (g_head.t() @ (hidden.float() * scale).to(hidden.dtype)).to(weight.dtype)
                 else:
                     head_grad = (g_head.t() @ hidden).float().mul_(gscale).to(weight.dtype)
                 if need_b and per_token:
@@ -283,6 +286,7 @@ def candidate_loss(
     backend: str = "auto",
     tail_control: bool = False,
     factors=None,
+    product_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Per-query sampled-softmax loss of drawn negatives, with the exact head (see the module docstring).
 
@@ -322,6 +326,10 @@ def candidate_loss(
             :class:`~hf_midx.samplers.factors.ProposalFactors` keeps them): the weight's (B + 1, D) bucket table is
             returned too, for :func:`hf_midx.losses.tail_gradient.expected_share`'s ``table=``; its gradient is spread
             over the classes in the fused weight-gradient kernel, so that the weight's gradient is written once.
+        product_dtype: the dtype of the products (None: the weight's; autocast sets it): ``hidden`` is cast to it;
+            the fused kernels read a wider weight (float32 under bf16 autocast) as it is, round each tile to it on
+            chip and write the weight's gradient in the weight's dtype (no (V, D) copy either way); the eager
+            reference multiplies a cast copy.
     Returns:
         float32 scalar, or (T,) for "none"; with ``tail_control``, (that, share (T,) float32, 0 at ignored
         tokens, no gradient); with ``factors`` too, (that, share, table (B + 1, D) float32, differentiable).
@@ -331,8 +339,9 @@ def candidate_loss(
         raise ValueError("tail_control needs logit_softcap=None and remove_accidental_hits=False.")
     if factors is not None and not tail_control:
         raise ValueError("factors are the expected tail gradient's: pass them with tail_control=True (or drop them).")
-    if hidden.dtype != weight.dtype:
-        hidden = hidden.to(weight.dtype)  # one dtype for the products, as sampled_softmax_loss does
+    dtype = check_product_dtype(product_dtype, weight)
+    if hidden.dtype != dtype:
+        hidden = hidden.to(dtype)  # one dtype for the products, as sampled_softmax_loss does
     if backend == "auto":
         # While torch.compile traces, no import is tried: CUDA builds of torch ship Triton.
         backend = "fused" if hidden.is_cuda and (torch.compiler.is_compiling() or triton_available()) else "eager"
@@ -346,8 +355,8 @@ def candidate_loss(
             bool(tail_control), factors,
         )
     return candidate_loss_reference(
-        hidden, weight, labels, ids, log_q, log_q_pos, bias=bias, head_ids=head_ids, ignore_index=ignore_index,
-        logit_scale=logit_scale, logit_softcap=logit_softcap, corrected=corrected_positive,
+        hidden, weight_for_products(weight, dtype), labels, ids, log_q, log_q_pos, bias=bias, head_ids=head_ids,
+        ignore_index=ignore_index, logit_scale=logit_scale, logit_softcap=logit_softcap, corrected=corrected_positive,
         drop_hits=remove_accidental_hits, exact_value=exact_value, reduction=reduction, tail_control=tail_control,
         factors=factors,
     )

@@ -160,32 +160,53 @@ def _(*args, **kwargs) -> None:
 
 @torch.library.custom_op(f"{_LIB}::candidate_grad_weight", mutates_args=("grad_weight", "grad_bias"))
 def candidate_grad_weight(
-    hidden: Tensor, order: Tensor, starts: Tensor, g_cand: Tensor, gscale: Tensor, grad_table: Tensor | None,
-    bucket: Tensor | None, member: Tensor | None, static: Tensor | None, grad_weight: Tensor,
+    hidden: Tensor, order: Tensor, keys: Tensor, starts: Tensor, g_cand: Tensor, gscale: Tensor,
+    grad_table: Tensor | None, bucket: Tensor | None, member: Tensor | None, static: Tensor | None, grad_weight: Tensor,
     grad_bias: Tensor | None, ints: list[int],
 ) -> None:
-    """Every row of grad_weight (and grad_bias) from the (t, r) pairs sorted by class (``order``, each class's run
-    from ``starts`` (V + 1,)), each row started at the tail's spread of ``grad_table`` (B + 1, D) float32 when given
-    (``bucket``, ``member``, ``static`` (V,); static may be None); ints = [BLOCK_V, BLOCK_P, BLOCK_D, warps, registers]."""
-    block_v, block_p, block_d, warps, registers = ints
+    """Every row of grad_weight (and grad_bias) from the (t, r) pairs sorted by class (``order``, their classes
+    ``keys``, each class's run from ``starts`` (V + 1,)), each row started at the tail's spread of ``grad_table``
+    (B + 1, D) float32 when given (``bucket``, ``member``, ``static`` (V,); static may be None); ints = [BLOCK_V,
+    BLOCK_P, BLOCK_D, warps, registers, RUN]. Where the pairs pass RUN, a first launch sums the overflow of the
+    runs longer than RUN by chunks of RUN pairs (``candidate_long_runs_kernel``), which the second adds."""
+    block_v, block_p, block_d, warps, registers, run = ints
+    if run < 1 or run & (run - 1):
+        raise ValueError(f"Blocks.run must be a power of two (the long runs' chunks are walked in its blocks), got {run}.")
     num_classes, dim = grad_weight.shape
-    if max(g_cand.numel(), hidden.shape[0] * hidden.stride(0)) >= 1 << 31:
+    pairs = g_cand.numel()
+    if max(pairs, hidden.shape[0] * hidden.stride(0)) >= 1 << 31:
         raise ValueError(
             f"The fused weight gradient indexes the (t, r) pairs and the hidden states in int32: T = {hidden.shape[0]} "
             f"tokens of D = {dim} or R = {g_cand.shape[1]} is too many; split the tokens into chunks."
         )
     has_table = grad_table is not None
+    kernels = _kernels()
+    long_runs = pairs > run  # else no run can pass RUN pairs
+    partial = partial_bias = grad_weight
     with on_device(grad_weight.device):
-        _kernels().candidate_grad_weight_kernel[(cdiv(num_classes, block_v),)](
+        if long_runs:
+            chunks = cdiv(pairs, run)
+            partial = torch.empty((chunks, dim), device=grad_weight.device, dtype=torch.float32)
+            partial_bias = torch.empty(chunks, device=grad_weight.device, dtype=torch.float32)
+            kernels.candidate_long_runs_kernel[(chunks,)](
+                hidden, order, keys, starts, g_cand, gscale, partial, partial_bias,
+                pairs, dim, g_cand.shape[1], num_classes, hidden.stride(0), gscale.stride(0) if gscale.dim() else 0,
+                HAS_BIAS=grad_bias is not None, RUN=run, BLOCK_K=min(run, 1024), BLOCK_P=min(run, 32),
+                BLOCK_D=block_d, num_warps=warps,
+            )
+        kernels.candidate_grad_weight_kernel[(cdiv(num_classes, block_v),)](
             hidden, order, starts, g_cand, gscale,
-            grad_table if has_table else g_cand, bucket if has_table else starts, member if has_table else g_cand,
-            static if static is not None and has_table else g_cand,
+            # Row B by its own pointer: B * stride (K^2 buckets of D dims) may pass int32.
+            grad_table if has_table else g_cand, grad_table[-1] if has_table else g_cand,
+            bucket if has_table else starts, member if has_table else g_cand,
+            static if static is not None and has_table else g_cand, partial, partial_bias,
             grad_weight, grad_bias if grad_bias is not None else grad_weight,
-            num_classes, dim, g_cand.shape[1], grad_table.shape[0] - 1 if has_table else 0,
+            num_classes, dim, g_cand.shape[1],
             hidden.stride(0), gscale.stride(0) if gscale.dim() else 0, grad_table.stride(0) if has_table else 0,
             grad_weight.stride(0),
             HAS_BIAS=grad_bias is not None, HAS_TABLE=has_table, HAS_STATIC=has_table and static is not None,
-            BLOCK_V=block_v, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=warps, maxnreg=registers,
+            LONG_RUNS=long_runs, RUN=run, BLOCK_V=block_v, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=warps,
+            maxnreg=registers,
         )
 
 
