@@ -78,3 +78,29 @@ def test_product_dtype_is_autocasts_rule():
         assert product_dtype(weight) == dtype
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert product_dtype(weight) == (dtype if dtype == torch.float64 else torch.bfloat16)
+
+
+def test_product_dtype_is_what_autocast_passes_and_is_validated():
+    """``product_dtype=torch.bfloat16`` with a float32 weight is the loss autocast runs (the same value and
+    gradients from the same draws); a dtype wider than the weight's, or not floating, is a ValueError."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(300, 16, generator=g, requires_grad=True)
+    hidden = torch.randn(24, 16, generator=g, requires_grad=True)
+    labels = torch.randint(300, (24,), generator=g)
+    sampler = hf_midx.build_sampler("midx-rq", weight.detach(), codebook_size=8)
+    start = sampler.generator.get_state()
+    results = []
+    for autocast in (True, False):
+        sampler.generator.set_state(start)
+        hidden.grad = weight.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            options = {} if autocast else {"product_dtype": torch.bfloat16}
+            loss = hf_midx.sampled_softmax_loss(hidden.to(torch.bfloat16) if not autocast else hidden, weight, labels,
+                                                sampler, 8, **options)
+        loss.backward()
+        results.append((loss.detach(), hidden.grad, weight.grad))
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for bad in (torch.float64, torch.int32, "bf16"):
+        with pytest.raises(ValueError, match="product_dtype must be a floating dtype no wider than the weight's"):
+            hf_midx.sampled_softmax_loss(hidden, weight, labels, sampler, 8, product_dtype=bad)
