@@ -468,13 +468,14 @@ def test_fused_step_with_dynamic_tokens_is_one_graph():
     """Issue 74 (3): the default head's fused step (draw, candidate loss, bucket table: custom ops with fake
     versions) with T marked dynamic compiles one graph for 3 token counts (the draw's and the loss's tiles once
     depended on T: a ConstraintViolationError), each compiled loss and weight gradient the eager fused step's."""
-    head, _ = _default_head_step(16, V, D, torch.bfloat16, kernels="fused", codebook_size=INTERPRETED_K)
+    # V = 512: the traced step launches the GPU's tiles, which the interpreter runs one small program at a time.
+    head, _ = _default_head_step(16, 512, D, torch.bfloat16, kernels="fused", codebook_size=INTERPRETED_K)
     counter = GraphCounter()
     compiled = torch.compile(lambda h, y: head.loss(h, y), fullgraph=True, backend=counter)
     g = torch.Generator().manual_seed(1)
     for t in (24, 40, 56):
         hidden = torch.randn(t, D, generator=g, dtype=torch.bfloat16, requires_grad=True)
-        labels = torch.randint(V, (t,), generator=g)
+        labels = torch.randint(512, (t,), generator=g)
         torch._dynamo.mark_dynamic(hidden, 0)
         torch._dynamo.mark_dynamic(labels, 0)
         start = head.sampler.generator.get_state()
