@@ -51,9 +51,10 @@ TAIL_ROWS = 4096
 #: a gradient scaled by 2, a row written to its neighbour or a dropped tail spread are errors of 0.03 to 1.
 TOLERANCE = {torch.float32: (1e-3, 5e-3), torch.bfloat16: (5e-3, 4e-2), torch.float16: (1e-3, 5e-3)}
 
-#: The draw's tolerances: the share of draws that may differ (a target within a rounding of a bucket boundary falls
-#: on the other side of it: the kernel's running sum is a parallel scan), the largest difference in log q (nats)
-#: where the draws agree, and of the bucket probabilities relative to the largest.
+#: The draw's tolerances: the share of draws that must agree, less 2 draws (a target within a rounding of a bucket
+#: boundary falls on the other side of it, as the kernel's running sum is a parallel scan: about 2 K^2 2^-23 of
+#: draws, 2.4e-4 at K = 32), the largest difference in log q (nats) where the draws agree, and of the bucket
+#: probabilities relative to the largest.
 DRAW_AGREEMENT, LOG_Q_TOLERANCE, PROBS_TOLERANCE = 0.99, 1e-4, 1e-4
 
 
@@ -204,10 +205,10 @@ def _check_draw(fused: tuple, eager: tuple, where: str) -> None:
     """A draw's results (ids (T, M), log q (T, M), the labels' log q (T, 1) or None, and factors or nothing),
     fused against eager from the same uniforms."""
     same = fused[0] == eager[0]
-    agreement = float(same.float().mean())
-    if not agreement >= DRAW_AGREEMENT:
+    differ = int((~same).sum())
+    if differ > 2 + (1 - DRAW_AGREEMENT) * same.numel():
         raise KernelMismatch(f"the fused draw picked other classes than the eager draw from the same uniforms in "
-                             f"{1 - agreement:.1%} of draws (more than {1 - DRAW_AGREEMENT:.0%}) on {where}")
+                             f"{differ} of {same.numel()} draws (at most 2 + {1 - DRAW_AGREEMENT:.0%}) on {where}")
     pairs = [("draws' log q", fused[1][same], eager[1][same])]
     if fused[2] is not None:
         pairs.append(("labels' log q", fused[2], eager[2]))

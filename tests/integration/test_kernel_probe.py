@@ -198,6 +198,30 @@ def test_each_broken_kernel_falls_back_with_one_warning(kernels_as, broken, dtyp
     assert choices == {("cpu", str(dtype).removeprefix("torch.")): "eager"}
 
 
+def test_two_draws_in_other_buckets_are_rounding_not_a_mismatch(kernels_as, monkeypatch):
+    """Two draws in another (non-empty) bucket than the eager draw's, as a target within a rounding of a bucket
+    boundary gives (the kernel's running sum is a parallel scan): the probe passes."""
+
+    def nudged(*args, **kwargs):
+        bucket, log_z, probs = eager_bucket_draw(*args, **kwargs)
+        bucket = bucket.clone()
+        bucket.view(-1)[:2] = bucket.view(-1)[2:4]  # other tokens' buckets: non-empty ones
+        return bucket, log_z, probs
+
+    kernels_as(draw=nudged)
+    differing = []
+    check = kernel_probe._check_draw
+
+    def counted(fused, eager, where):
+        differing.append(int((fused[0] != eager[0]).sum()))
+        return check(fused, eager, where)
+
+    monkeypatch.setattr(kernel_probe, "_check_draw", counted)
+    ours, choices = _prepared(_config(), 65_536, torch.float32)
+    assert not ours and set(choices.values()) == {"auto"}
+    assert 1 <= max(differing) <= 2, differing
+
+
 def test_the_tail_spread_is_seen_with_a_static_proposal_part(kernels_as):
     """The mixture's static part (mix_weight > 0, B = 0 for none): the tail spread's loss still caught."""
     kernels_as(**BROKEN["no tail spread in the weight gradient"])
@@ -223,12 +247,14 @@ def probe_peak_bytes(vocabulary, dim, dtype, config):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_probe_memory_does_not_grow_with_the_vocabulary(kernels_as, dtype):
-    """At V = 65,536, D = 512 the probe allocates at most 1.0x V D 4 bytes (a (V, D) float32 copy); the old probe,
-    on the whole head, 4.2x (float32) and 4.6x (bfloat16). And the same at V = 262,144: it reads no weight."""
+    """At V = 65,536, D = 512 the probe allocates 0.27x (float32) and 0.26x (bfloat16) V D 4 bytes with the kernels'
+    eager stand-ins (0.26x in both with the real kernels under the interpreter): under 0.3x, where the issue asks
+    for at most 1.0x (one (V, D) float32 copy); the probe before it, on the whole head, took 5.0x by this count.
+    And the same bytes at V = 262,144: the probe reads no weight of the head's."""
     kernels_as()
     config = _config()
     peaks = [probe_peak_bytes(v, 512, dtype, config) for v in (65_536, 262_144)]
-    assert peaks[0] <= 65_536 * 512 * 4 and peaks[1] == peaks[0], peaks
+    assert peaks[0] <= 0.3 * 65_536 * 512 * 4 and peaks[1] == peaks[0], [p / (65_536 * 512 * 4) for p in peaks]
 
 
 def test_a_sharded_head_is_probed_at_wrap_time(kernels_as):
