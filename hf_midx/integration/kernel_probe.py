@@ -169,7 +169,8 @@ class _Draws:
 
     def drawn(self) -> torch.Tensor:
         """(N,) the classes drawn (every recorded draw's ids)."""
-        return torch.cat([result[0].reshape(-1) for _, _, _, result, _ in self._calls.values()])
+        ids = [result[0].reshape(-1) for _, _, _, result, _ in self._calls.values()]
+        return torch.cat(ids) if ids else torch.empty(0, dtype=torch.long, device=self._sampler.device)
 
     def check(self, where: str) -> None:
         """KernelMismatch where a fused draw (or the stream's kernel it ran) differs from the eager one."""

@@ -206,6 +206,25 @@ def test_the_guard_passes_the_real_kernels(dtype):
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_guard_sees_the_real_weight_gradient_without_its_tail_spread(monkeypatch, dtype):
+    """The interpreted weight-gradient kernel launched without the bucket table's gradient (HAS_TABLE off: no row
+    starts at the expected tail's spread) at V = 65,536: the probe names the rows only the spread reaches (the probe
+    before it, comparing the whole gradient by its largest value, passed this in both dtypes)."""
+    from hf_midx.integration.kernel_probe import probe_fused
+
+    launch_grad_weight = torch.ops.hf_midx.candidate_grad_weight
+
+    def without_table(hidden, order, starts, g_cand, gscale, grad_table, bucket, member, static, *rest):
+        return launch_grad_weight(hidden, order, starts, g_cand, gscale, None, None, None, None, *rest)
+
+    monkeypatch.setattr(torch.ops.hf_midx, "candidate_grad_weight", without_table)
+    config = MidxConfig(num_samples=M, codebook_size=INTERPRETED_K, kmeans_iters=3, exact_head=H)
+    error = probe_fused(config, torch.device("cpu"), dtype, (65_536, D, H, True, None))
+    assert "grad weight's other rows" in str(error), error
+
+
+@interpreted
 @pytest.mark.parametrize("kernels", ["fused", "eager"])
 def test_the_loss_under_autocast_multiplies_in_its_dtype(kernels):
     """Under bf16 autocast with a float32 head and an exact head, the loss runs its products in bfloat16 (as an
