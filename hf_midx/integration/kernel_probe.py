@@ -19,7 +19,9 @@ sharded head (FSDP, ZeRO-3) is probed at wrap or train begin like a whole one. T
   (labels and draws), and the other rows, which only the expected tail's spread reaches (over a whole gradient,
   a tail row's share shrinks like 1/V and a spread the kernels dropped could not be seen).
 
-Nothing here advances the sampler's stream or touches the head's parameters.
+Nothing here advances the sampler's stream or touches the head's parameters. What a slice cannot see: an error
+that needs V's size (an int32 offset past 2^31) or the user's values (a float16 weight whose norms overflow), and a
+variant that only another integer's divisibility by 16 selects (the bucket table's chunk counts are the probe's).
 """
 
 from __future__ import annotations
