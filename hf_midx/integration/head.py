@@ -157,7 +157,7 @@ class MidxLMHead(nn.Module):
         shape, not its weight: a sharded head (ZeRO-3, FSDP) is probed here as a whole one."""
         weight = self.weight
         for d in dict.fromkeys(x for x in (weight.dtype, dtype) if x is not None):
-            self.kernel_guard.prepare(self.config, self.probe_shape(), weight.device, d)
+            self.kernel_guard.prepare(self.config, self.probe_shape(), weight.device, weight.dtype, d)
 
     def probe_shape(self) -> tuple:
         """What the kernels' probe takes of the head: (V, D, H exact classes, has a bias, logit soft-cap or None)."""
@@ -211,6 +211,7 @@ class MidxLMHead(nn.Module):
         # a float32 gradient back through the cast: hf_midx.losses.precision); the exact loss keeps the weight's
         # precision. Either runs with autocast off: it would recast some of the loss's ops and not the kernels.
         dtype = weight.dtype if exact else product_dtype(weight)
+        kernels = None if exact else self.kernel_guard.kernels(self.config, self.probe_shape(), weight, dtype)
         autocast = torch.is_autocast_enabled(h.device.type)
         with torch.autocast(h.device.type, enabled=False) if autocast else contextlib.nullcontext():
             weight = weight.to(dtype)
@@ -224,7 +225,6 @@ class MidxLMHead(nn.Module):
                 loss = full_softmax_loss(h, weight, y, **options)
             else:
                 cfg, sampler = self.config, self._sampler_on(weight.device)
-                kernels = self.kernel_guard.kernels(cfg, self.probe_shape(), weight)
                 loss = sampled_softmax_loss(
                     h, weight, y, sampler, cfg.num_samples, negatives=cfg.negatives,
                     remove_accidental_hits=cfg.remove_accidental_hits, check_labels=False, estimator=cfg.estimator,

@@ -78,28 +78,30 @@ class KernelGuard:
     def __init__(self) -> None:
         self.choices: dict[tuple[str, str], str] = {}  # (device, dtype) -> what "auto" takes there, once probed
 
-    def kernels(self, config, shape: tuple, weight: torch.Tensor) -> str:
-        """The ``kernels`` for a sampled loss of ``weight`` (V, D) (its device and dtype) with ``config``."""
+    def kernels(self, config, shape: tuple, weight: torch.Tensor, product_dtype: torch.dtype | None = None) -> str:
+        """The ``kernels`` for a sampled loss of ``weight`` (V, D) (its device and dtype) with ``config``, its
+        products in ``product_dtype`` (a mixed-precision step's autocast dtype; None: the weight's)."""
         mode = config.kernels
         if mode != "auto":
             return mode  # "fused" asked for explicitly raises where it cannot run; "eager" needs nothing
         if torch.compiler.is_compiling():
             # Decided (probed if need be) as Python while tracing; the graph reads no guard's state.
-            return _decide_while_tracing(self, config, shape, weight.device, weight.dtype)
-        key = _key(weight.device, weight.dtype)
+            return _decide_while_tracing(self, config, shape, weight.device, weight.dtype, product_dtype)
+        key = _key(weight.device, weight.dtype, product_dtype)
         if key not in self.choices and not graph_capturing(weight.device):
-            self.prepare(config, shape, weight.device, weight.dtype)
+            self.prepare(config, shape, weight.device, weight.dtype, product_dtype)
         return self.choices.get(key, mode)
 
-    def prepare(self, config, shape: tuple, device: torch.device, dtype: torch.dtype) -> str:
-        """Decide for ``device`` and ``dtype`` now (probing where "auto" takes the kernels), unless decided; returns
-        the choice. Before a step that ``torch.compile`` traces or a CUDA graph captures."""
-        key = _key(device, dtype)
+    def prepare(self, config, shape: tuple, device: torch.device, dtype: torch.dtype,
+                product_dtype: torch.dtype | None = None) -> str:
+        """Decide for ``device``, ``dtype`` and ``product_dtype`` now (probing where "auto" takes the kernels),
+        unless decided; returns the choice. Before a step that ``torch.compile`` traces or a CUDA graph captures."""
+        key = _key(device, dtype, product_dtype)
         if config.kernels != "auto" or key in self.choices:
             return self.choices.get(key, config.kernels)
         error = None
         if auto_takes_fused(device, dtype, config.negatives):
-            error = probe_fused(config, device, dtype, shape)
+            error = probe_fused(config, device, dtype, shape, product_dtype)
         if error is not None:
             warn_fallback(error, device)
         self.choices[key] = "auto" if error is None else "eager"
@@ -107,14 +109,19 @@ class KernelGuard:
 
 
 @torch.compiler.assume_constant_result
-def _decide_while_tracing(guard: KernelGuard, config, shape: tuple, device: torch.device, dtype: torch.dtype) -> str:
+def _decide_while_tracing(guard: KernelGuard, config, shape: tuple, device: torch.device, dtype: torch.dtype,
+                          product_dtype: torch.dtype | None) -> str:
     """:meth:`KernelGuard.prepare` called by ``torch.compile`` while it traces: run as Python once, at trace time,
     not traced; the graph takes the answer as a constant (a later trace gets the decision made)."""
-    return guard.prepare(config, shape, device, dtype)
+    return guard.prepare(config, shape, device, dtype, product_dtype)
 
 
-def _key(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
-    return str(device), str(dtype).removeprefix("torch.")
+def _key(device: torch.device, dtype: torch.dtype, product_dtype: torch.dtype | None = None) -> tuple[str, str]:
+    """("cuda:0", "bfloat16"), or ("cuda:0", "float32->bfloat16") for a float32 weight with bfloat16 products."""
+    name = str(dtype).removeprefix("torch.")
+    if product_dtype is not None and product_dtype != dtype:
+        name += "->" + str(product_dtype).removeprefix("torch.")
+    return str(device), name
 
 
 __all__ = ["PROBE_TOKENS", "TOLERANCE", "KernelGuard", "KernelMismatch", "auto_takes_fused", "graph_capturing",

@@ -26,6 +26,7 @@ variant that only another integer's divisibility by 16 selects (the bucket table
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -71,13 +72,16 @@ def probe_vocabulary(num_classes: int, num_exact: int) -> int:
     return num_classes if num_classes <= base + 16 else base + (num_classes - base) % 16
 
 
-def probe_fused(config, device: torch.device, dtype: torch.dtype, shape: tuple) -> Exception | None:
+def probe_fused(config, device: torch.device, dtype: torch.dtype, shape: tuple,
+                product_dtype: torch.dtype | None = None) -> Exception | None:
     """Check the fused kernels for a head of ``shape`` = (V, D, H, has_bias, logit_softcap) in ``dtype`` on
     ``device`` with ``config``'s options (see the module docstring): the exception raised, a
-    :class:`KernelMismatch`, or None where every kernel matched its reference."""
+    :class:`KernelMismatch`, or None where every kernel matched its reference. ``product_dtype``: the autocast dtype
+    of a mixed-precision step (a float32 weight, bfloat16 products), whose fused loss the probe then runs under
+    ``torch.autocast`` as the step does, against the eager path on the inputs rounded to it; None: the weight's."""
     try:
         with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
-            problem = _Problem(config, device, dtype, *shape)
+            problem = _Problem(config, device, dtype, product_dtype or dtype, *shape)
             for num_tokens, per_token in zip(PROBE_TOKENS, (False, True)):
                 problem.check(num_tokens, per_token)
     except Exception as error:  # noqa: BLE001 (any failure of the kernels is the answer)
@@ -88,8 +92,10 @@ def probe_fused(config, device: torch.device, dtype: torch.dtype, shape: tuple) 
 class _Problem:
     """The probe's head: (V', D) weights, bias, exact head and sampler, from a generator of its own."""
 
-    def __init__(self, config, device, dtype, num_classes, dim, num_exact, has_bias, logit_softcap) -> None:
+    def __init__(self, config, device, dtype, product_dtype, num_classes, dim, num_exact, has_bias,
+                 logit_softcap) -> None:
         self.config, self.device, self.dtype, self.logit_softcap = config, device, dtype, logit_softcap
+        self.product_dtype = product_dtype
         v = probe_vocabulary(num_classes, num_exact)
         self.generator = torch.Generator(device=device).manual_seed(0)
         g = self.generator
@@ -103,24 +109,25 @@ class _Problem:
     def check(self, num_tokens: int, per_token: bool) -> None:
         """One call: KernelMismatch where a kernel's result differs from its reference's."""
         device, g, v = self.device, self.generator, self.weight.shape[0]
-        hidden = (torch.randn(num_tokens, self.weight.shape[1], device=device, generator=g) * 2).to(self.dtype)
+        hidden = (torch.randn(num_tokens, self.weight.shape[1], device=device, generator=g) * 2).to(self.product_dtype)
         labels = torch.randint(v, (num_tokens,), device=device, generator=g)
         head = self.sampler.excluded
         if head is not None:
             labels[::3] = head[torch.arange(0, num_tokens, 3, device=device) % head.numel()]
         labels[1::5] = -100
         upstream = torch.rand(num_tokens, device=device, generator=g) + 0.5 if per_token else None
-        where = f"{num_tokens} probe tokens{' with a per-token upstream gradient' if per_token else ''} ({self.dtype})"
+        where = (f"{num_tokens} probe tokens{' with a per-token upstream gradient' if per_token else ''} "
+                 f"({self.dtype}{'' if self.product_dtype == self.dtype else f', {self.product_dtype} products'})")
         draws = _Draws(self.sampler)
         got = self._loss_and_grads(draws, hidden, self.weight, self.bias, labels, upstream, "fused", num_tokens)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # a launch error surfaces here, not at the first step
         draws.check(where)
-        inputs = (x if x is None else x.float() for x in (hidden, self.weight, self.bias))
+        inputs = (x if x is None else x.to(self.product_dtype).float() for x in (hidden, self.weight, self.bias))
         want = self._loss_and_grads(draws, *inputs, labels, upstream, "eager", num_tokens)
         parts = _parts(v, head, labels, draws.drawn())
         for name, x, ref in zip(("loss", "grad hidden", "grad weight", "grad bias"), got, want):
-            tolerance = TOLERANCE[self.dtype][name != "loss"]
+            tolerance = TOLERANCE[self.product_dtype][name != "loss"]
             if (x is None) != (ref is None):
                 raise KernelMismatch(f"the fused path gave {'no ' if x is None else ''}{name}, the eager path did not")
             if ref is None:
@@ -136,14 +143,15 @@ class _Problem:
         (the weight-gradient kernel with the bias's, even for a head that trains neither: one more variant built);
         the upstream gradient (T,) per token, or the mean's. The draws from a CounterRNG of ``seed``."""
         hidden, weight, bias = (None if x is None else x.detach().requires_grad_() for x in (hidden, weight, bias))
-        config = self.config
-        loss = sampled_softmax_loss(
-            hidden, weight, labels, sampler, config.num_samples, bias=bias, negatives=config.negatives,
-            remove_accidental_hits=config.remove_accidental_hits, check_labels=False, estimator=config.estimator,
-            exact_ids=self.sampler.excluded, kernels=kernels, tail_gradient=config.tail_gradient,
-            logit_softcap=self.logit_softcap, z_loss=config.z_loss, label_smoothing=config.label_smoothing,
-            reduction="mean" if upstream is None else "none", generator=CounterRNG(seed, device=weight.device),
-        )
+        config, mixed = self.config, kernels == "fused" and self.product_dtype != self.dtype
+        with torch.autocast(weight.device.type, dtype=self.product_dtype) if mixed else contextlib.nullcontext():
+            loss = sampled_softmax_loss(
+                hidden, weight, labels, sampler, config.num_samples, bias=bias, negatives=config.negatives,
+                remove_accidental_hits=config.remove_accidental_hits, check_labels=False, estimator=config.estimator,
+                exact_ids=self.sampler.excluded, kernels=kernels, tail_gradient=config.tail_gradient,
+                logit_softcap=self.logit_softcap, z_loss=config.z_loss, label_smoothing=config.label_smoothing,
+                reduction="mean" if upstream is None else "none", generator=CounterRNG(seed, device=weight.device),
+            )
         loss.backward(upstream)
         return [loss.detach(), *(None if x is None else x.grad for x in (hidden, weight, bias))]
 

@@ -190,18 +190,20 @@ def test_a_launch_on_a_second_gpu_makes_that_gpu_current(monkeypatch):
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_guard_passes_the_real_kernels(dtype):
+@pytest.mark.parametrize("dtype, product_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                                  (torch.float32, torch.bfloat16)])
+def test_the_guard_passes_the_real_kernels(dtype, product_dtype):
     """The first-call probe (the stream, the draw, the loss and its gradients part by part; random tokens hitting the
     exact head, the tail and ignored positions; T = 32 and 21, a per-token upstream gradient, a trainable bias) finds
-    the interpreted kernels within its tolerances, for a head of V = 65,536 (the probe's slice: H + 4,096 classes),
+    the interpreted kernels within its tolerances, for a head of V = 65,536 (the probe's slice: H + 4,096 classes) in
+    float32, bfloat16, and float32 under bfloat16 autocast (the step's products, as the loss casts them),
     allocating at most 1.0x V D 4 bytes (V = 65,536, D = 512: 0.26x in both dtypes, 11.5 s and 20 s here)."""
     from hf_midx.integration.kernel_probe import probe_fused
     from test_kernel_probe import LiveBytes
 
     config = MidxConfig(num_samples=M, codebook_size=INTERPRETED_K, kmeans_iters=3, exact_head=H)
     with LiveBytes() as live:
-        assert probe_fused(config, torch.device("cpu"), dtype, (65_536, D, H, True, None)) is None
+        assert probe_fused(config, torch.device("cpu"), dtype, (65_536, D, H, True, None), product_dtype) is None
     assert live.peak <= 65_536 * D * 4, live.peak / (65_536 * D * 4)
 
 

@@ -5,8 +5,8 @@ Each failure mode is simulated on the CPU by patching the kernels' entry points,
 the loss's autograd Function replaced by its eager reference, the bucket draw by the eager bucket draw and the
 random stream's kernel by the eager stream (right kernels, which pass), then each broken one way (a draw of bucket 0
 for every sample, log Z one nat off, a stream of zeros, a weight gradient without the expected tail's spread, a loss
-3% high). The guard must warn once, naming the kernel, and choose the eager path, in float32 and bfloat16, for heads
-of V = 65,536 and 262,144 classes (the probe runs on a slice of H + 4,096 classes of the head's shape, so neither V
+3% high). The guard must warn once, naming the kernel, and choose the eager path, in float32, bfloat16 and a float32
+head under bfloat16 autocast, for heads of V = 65,536 and 262,144 classes (the probe runs on a slice of H + 4,096 classes of the head's shape, so neither V
 costs the test anything). The real kernels pass the probe under Triton's interpreter in ``test_fused_head.py``.
 
 Memory is measured by :class:`LiveBytes`: a ``TorchDispatchMode`` that counts the bytes of every storage an op
@@ -33,6 +33,10 @@ from hf_midx.rng import CounterRNG
 
 D, H, M, K = 16, 32, 16, 8
 DTYPES = [torch.float32, torch.bfloat16]
+#: (the weight's dtype, the products' under autocast or None): a float32 head, a bfloat16 one, and a float32 head
+#: under bfloat16 autocast (mixed precision), keyed as the guard keys them.
+PRECISIONS = {"float32": (torch.float32, None), "bfloat16": (torch.bfloat16, None),
+              "float32->bfloat16": (torch.float32, torch.bfloat16)}
 
 
 class LiveBytes(TorchDispatchMode):
@@ -167,35 +171,35 @@ def _config(**options):
     return MidxConfig(num_samples=M, codebook_size=K, kmeans_iters=2, exact_head=H, **options)
 
 
-def _prepared(config, vocabulary, dtype):
+def _prepared(config, vocabulary, dtype, product_dtype=None):
     """(the guard's warnings, its choices) after preparing twice for a head of ``vocabulary`` classes, D = 16."""
     guard = kernel_guard.KernelGuard()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
-            guard.prepare(config, (vocabulary, D, H, True, None), torch.device("cpu"), dtype)
+            guard.prepare(config, (vocabulary, D, H, True, None), torch.device("cpu"), dtype, product_dtype)
     ours = [str(w.message) for w in caught if "fused Triton kernels cannot run" in str(w.message)]
     return ours, guard.choices
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_right_kernels_pass(kernels_as, dtype):
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_right_kernels_pass(kernels_as, precision):
     """The eager stand-ins of every kernel pass: no warning, "auto" kept; each kernel ran in both probe calls."""
     calls = kernels_as()
-    ours, choices = _prepared(_config(), 65_536, dtype)
-    assert not ours and choices == {("cpu", str(dtype).removeprefix("torch.")): "auto"}
+    ours, choices = _prepared(_config(), 65_536, *PRECISIONS[precision])
+    assert not ours and choices == {("cpu", precision): "auto"}
     calls_each = len(kernel_probe.PROBE_TOKENS)
     assert calls["loss"] == calls["draw"] == calls_each and calls["rng"] >= calls_each
 
 
 @pytest.mark.parametrize("vocabulary", [65_536, 262_144])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("broken", list(BROKEN))
-def test_each_broken_kernel_falls_back_with_one_warning(kernels_as, broken, dtype, vocabulary):
+def test_each_broken_kernel_falls_back_with_one_warning(kernels_as, broken, precision, vocabulary):
     kernels_as(**BROKEN[broken])
-    ours, choices = _prepared(_config(), vocabulary, dtype)
+    ours, choices = _prepared(_config(), vocabulary, *PRECISIONS[precision])
     assert len(ours) == 1 and "KernelMismatch" in ours[0] and BROKEN[broken]["says"] in ours[0], ours
-    assert choices == {("cpu", str(dtype).removeprefix("torch.")): "eager"}
+    assert choices == {("cpu", precision): "eager"}
 
 
 def test_two_draws_in_other_buckets_are_rounding_not_a_mismatch(kernels_as, monkeypatch):
@@ -264,11 +268,23 @@ def test_a_sharded_head_is_probed_at_wrap_time(kernels_as):
     head = MidxLMHead(torch.nn.Linear(D, 4096, bias=False), _config(), class_counts=torch.arange(1, 4097).double())
     head.weight = torch.nn.Parameter(torch.empty(0))  # what ZeRO-3 leaves outside its forward
     head.prepare_kernels(torch.bfloat16)
-    assert head.kernel_guard.choices == {("cpu", "float32"): "auto", ("cpu", "bfloat16"): "auto"}
+    assert head.kernel_guard.choices == {("cpu", "float32"): "auto", ("cpu", "float32->bfloat16"): "auto"}
     assert calls["loss"] == 2 * len(kernel_probe.PROBE_TOKENS)
     whole = torch.randn(4096, D, requires_grad=True)  # the first step's loss, inside the engine's forward, with the gathered weight
     head.loss(torch.randn(8, D), torch.randint(4096, (8,)), weight=whole).backward()
     assert calls["loss"] == 2 * len(kernel_probe.PROBE_TOKENS)  # no probe there (and "auto" is eager on the CPU)
+
+
+def test_a_mixed_precision_step_is_probed_as_it_runs(kernels_as):
+    """Under bfloat16 autocast a float32 head's first loss is probed with float32 weights and bfloat16 products (the
+    fused loss under autocast, as the step runs it), keyed apart from the float32 step; once."""
+    calls = kernels_as()
+    head = MidxLMHead(torch.nn.Linear(D, 512, bias=True), _config(), class_counts=torch.arange(1, 513).double())
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            head.loss(torch.randn(8, D), torch.randint(512, (8,))).backward()
+    assert head.kernel_guard.choices == {("cpu", "float32->bfloat16"): "auto"}
+    assert calls["loss"] == len(kernel_probe.PROBE_TOKENS)
 
 
 def test_a_compiled_first_call_probes_at_trace_time(kernels_as):
