@@ -13,8 +13,9 @@ sharded head (FSDP, ZeRO-3) is probed at wrap or train begin like a whole one. T
 - the counter random stream's kernel against ``CounterRNG``'s eager stream, bit for bit (where the draw is fused);
 - the fused draw against the eager draw from the same stream (the same uniforms): its classes (the buckets drawn),
   their log q and the labels' (the log Z), the bucket probabilities (the expected tail's factors);
-- the fused loss and its backward against the eager path on the fused draws (checked above), computed in float32
-  from the same rounded inputs (the head's dtype cast up): the loss, the hidden states' gradient, and the weight's
+- the fused loss and its backward (under ``torch.autocast`` for a mixed-precision step, as the step runs it) against
+  the eager path on the fused draws (checked above), computed in float32 from the same rounded inputs (those of
+  the products' dtype, cast up): the loss, the hidden states' gradient, and the weight's
   and bias's gradients part by part, each relative to its own largest value: the exact head's rows, the drawn rows
   (labels and draws), and the other rows, which only the expected tail's spread reaches (over a whole gradient,
   a tail row's share shrinks like 1/V and a spread the kernels dropped could not be seen).
