@@ -153,17 +153,16 @@ class MidxLMHead(nn.Module):
         """Decide ``kernels="auto"`` for the head's device now, probing the fused kernels there
         (:class:`~hf_midx.integration.kernel_guard.KernelGuard`), for the weight's dtype and ``dtype`` (the autocast
         dtype a mixed-precision step runs the head's products in): before a step that ``torch.compile`` traces or a
-        CUDA graph captures, where no probe can run. :func:`hf_midx.wrap` and the callback's train begin call it; a
-        head not whole here (a ZeRO-3 or FSDP shard) is decided at its first eager call instead."""
+        CUDA graph captures. :func:`hf_midx.wrap` and the callback's train begin call it. The probe reads the head's
+        shape, not its weight: a sharded head (ZeRO-3, FSDP) is probed here as a whole one."""
         weight = self.weight
-        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (self.num_classes, self.in_features):
-            return
-        if hasattr(weight, "full_tensor"):
-            return  # a DTensor shard
-        sampler = self._sampler_on(weight.device)
-        with torch.no_grad():
-            for d in dict.fromkeys(x for x in (weight.dtype, dtype) if x is not None):
-                self.kernel_guard.prepare(self.config, sampler, weight.to(d), self.bias, self.logit_softcap)
+        for d in dict.fromkeys(x for x in (weight.dtype, dtype) if x is not None):
+            self.kernel_guard.prepare(self.config, self.probe_shape(), weight.device, weight.dtype, d)
+
+    def probe_shape(self) -> tuple:
+        """What the kernels' probe takes of the head: (V, D, H exact classes, has a bias, logit soft-cap or None)."""
+        num_exact = 0 if self.exact_ids is None else self.exact_ids.numel()
+        return self.num_classes, self.in_features, num_exact, self.bias is not None, self.logit_softcap
 
     @contextlib.contextmanager
     def exact_loss_only(self):
@@ -212,8 +211,7 @@ class MidxLMHead(nn.Module):
         # loss casts it where its path needs a copy; hf_midx.losses.precision); the exact loss keeps the weight's
         # precision. Either runs with autocast off, the kernels' probe under the caller's (it probes the AMP step).
         dtype = weight.dtype if exact else product_dtype(weight)
-        kernels = None if exact else self.kernel_guard.kernels(self.config, self._sampler_on(weight.device), weight,
-                                                               bias, self.logit_softcap)
+        kernels = None if exact else self.kernel_guard.kernels(self.config, self.probe_shape(), weight, dtype)
         autocast = torch.is_autocast_enabled(h.device.type)
         with torch.autocast(h.device.type, enabled=False) if autocast else contextlib.nullcontext():
             bias = bias if bias is None or exact else bias.to(dtype)  # as nn.Linear's: (V,), in the products' dtype

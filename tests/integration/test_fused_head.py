@@ -190,19 +190,40 @@ def test_a_launch_on_a_second_gpu_makes_that_gpu_current(monkeypatch):
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_guard_passes_the_real_kernels(dtype):
-    """The first-call probe (random tokens hitting the exact head, the tail and ignored positions; T = 32 and 21, a
-    per-token upstream gradient, a trainable bias) finds the interpreted kernels within its tolerance of the eager
-    path in float32."""
-    from hf_midx.integration.head import MidxLMHead
-    from hf_midx.integration.kernel_guard import probe_fused
+@pytest.mark.parametrize("dtype, product_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                                  (torch.float32, torch.bfloat16)])
+def test_the_guard_passes_the_real_kernels(dtype, product_dtype):
+    """The first-call probe (the stream, the draw, the loss and its gradients part by part; random tokens hitting the
+    exact head, the tail and ignored positions; T = 32 and 21, a per-token upstream gradient, a trainable bias) finds
+    the interpreted kernels within its tolerances, for a head of V = 65,536 (the probe's slice: H + 4,096 classes) in
+    float32, bfloat16, and float32 under bfloat16 autocast (the step's products, as the loss casts them),
+    allocating at most 1.0x V D 4 bytes (V = 65,536, D = 512: 0.26x in both dtypes, 11.5 s and 20 s here)."""
+    from hf_midx.integration.kernel_probe import probe_fused
+    from test_kernel_probe import LiveBytes
 
-    g = torch.Generator().manual_seed(0)
-    head = MidxLMHead(torch.nn.Linear(D, V, bias=True), MidxConfig(num_samples=M, codebook_size=8, kmeans_iters=3,
-                      exact_head=H), class_counts=torch.randint(1, 50, (V,), generator=g).double())
-    weight = head.weight.detach().to(dtype)
-    assert probe_fused(head.sampler, weight, head.bias.detach(), head.config) is None
+    config = MidxConfig(num_samples=M, codebook_size=INTERPRETED_K, kmeans_iters=3, exact_head=H)
+    with LiveBytes() as live:
+        assert probe_fused(config, torch.device("cpu"), dtype, (65_536, D, H, True, None), product_dtype) is None
+    assert live.peak <= 65_536 * D * 4, live.peak / (65_536 * D * 4)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_guard_sees_the_real_weight_gradient_without_its_tail_spread(monkeypatch, dtype):
+    """The interpreted weight-gradient kernel launched without the bucket table's gradient (HAS_TABLE off: no row
+    starts at the expected tail's spread) at V = 65,536: the probe names the rows only the spread reaches (the probe
+    before it, comparing the whole gradient by its largest value, passed this in both dtypes)."""
+    from hf_midx.integration.kernel_probe import probe_fused
+
+    launch_grad_weight = torch.ops.hf_midx.candidate_grad_weight
+
+    def without_table(hidden, order, starts, g_cand, gscale, grad_table, bucket, member, static, *rest):
+        return launch_grad_weight(hidden, order, starts, g_cand, gscale, None, None, None, None, *rest)
+
+    monkeypatch.setattr(torch.ops.hf_midx, "candidate_grad_weight", without_table)
+    config = MidxConfig(num_samples=M, codebook_size=INTERPRETED_K, kmeans_iters=3, exact_head=H)
+    error = probe_fused(config, torch.device("cpu"), dtype, (65_536, D, H, True, None))
+    assert "grad weight's other rows" in str(error), error
 
 
 @interpreted
