@@ -209,14 +209,16 @@ def candidate_loss_reference(
     valid = labels != ignore_index
     y = torch.where(valid, labels, torch.zeros_like(labels)).long()
     rows = torch.cat([y.unsqueeze(1), ids.long()], dim=1)  # (T, R)
-    x = (weight[rows].to(acc) * hidden.to(acc).unsqueeze(1)).sum(-1)  # (T, R)
+    # A float32 weight under autocast (hidden states in bfloat16): its rows rounded to the products' dtype, as the
+    # kernels round each tile on chip; the same dtype is no copy.
+    x = (weight[rows].to(hidden.dtype).to(acc) * hidden.to(acc).unsqueeze(1)).sum(-1)  # (T, R)
     if bias is not None:
         x = x + bias[rows].to(acc)
     o = _finish(x, logit_scale, logit_softcap)
     m = ids.shape[1]
     num_head = 0 if head_ids is None else head_ids.numel()
     if num_head:
-        xh = (hidden @ weight[head_ids].t()).to(acc)  # the fused path's GEMM, in the weight's dtype
+        xh = (hidden @ weight[head_ids].to(hidden.dtype).t()).to(acc)  # the fused path's GEMM, in hidden's dtype
         if bias is not None:
             xh = xh + bias[head_ids].to(acc)
         oh = _finish(xh, logit_scale, logit_softcap)
