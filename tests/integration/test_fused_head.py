@@ -217,8 +217,8 @@ def test_the_guard_sees_the_real_weight_gradient_without_its_tail_spread(monkeyp
 
     launch_grad_weight = torch.ops.hf_midx.candidate_grad_weight
 
-    def without_table(hidden, order, starts, g_cand, gscale, grad_table, bucket, member, static, *rest):
-        return launch_grad_weight(hidden, order, starts, g_cand, gscale, None, None, None, None, *rest)
+    def without_table(hidden, order, keys, starts, g_cand, gscale, grad_table, bucket, member, static, *rest):
+        return launch_grad_weight(hidden, order, keys, starts, g_cand, gscale, None, None, None, None, *rest)
 
     monkeypatch.setattr(torch.ops.hf_midx, "candidate_grad_weight", without_table)
     config = MidxConfig(num_samples=M, codebook_size=INTERPRETED_K, kmeans_iters=3, exact_head=H)
