@@ -6,7 +6,8 @@ With ``midx: true`` (:mod:`.args`), the plugin
   cross-entropy (both replace the model's forward), and the RL trainers other than DPO (not tested with TRL 1.9);
 * once Axolotl has built the trainer (``post_trainer_create``), counts the training tokens of the tokenized dataset
   the trainer holds (:mod:`.counts`), wraps the trainer's model (:func:`hf_midx.wrap`: the policy, inside its PEFT
-  wrapper where LoRA is on; the output layer is still a plain ``nn.Linear``, which Axolotl's LoRA leaves out) and
+  wrapper where LoRA is on, whose modules wrap hooks too; the output layer is still a plain ``nn.Linear``, which
+  Axolotl's LoRA leaves out) and
   installs :class:`~hf_midx.MidxCallback` (index refresh, sampler state in checkpoints, ``midx/`` logs);
 * after training, writes ``midx_config.json`` beside the saved model, which is a plain transformers model (or a
   plain PEFT adapter).
