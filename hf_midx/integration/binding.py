@@ -46,6 +46,16 @@ def _loss_registry() -> dict:
     return LOSS_MAPPING
 
 
+def _labels_position(module: nn.Module) -> int | None:
+    """Where ``labels`` sits among the positional arguments of ``module.forward``, or None."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional.index("labels") if "labels" in positional else None
+
+
 def _own_loss_function(host: nn.Module, *, remove: bool = False):
     """The loss function set on this instance (``host.loss_function = f``), or None where the model uses its
     ``loss_type``'s; ``remove=True`` also drops it. The public setter stores it as ``_loss_function``, which
@@ -114,6 +124,11 @@ class HostBinding:
     * every other ``fused_lm_head=True`` call (DPO, KTO, GRPO, RLOO; any call without gradients; evaluation):
       nothing changes, TRL's own exact, tiled computation over all V classes runs as for the unwrapped model.
 
+    A module that calls the host's ``forward`` directly, bypassing its hooks (peft 0.20's LoRA tuner does:
+    ``self.model.forward(...)``; under Axolotl 0.19 the host's hooks then never ran), is given the same two hooks
+    (``callers`` of :meth:`attach`); where calls nest (peft 0.21's tuner calls ``self.model(...)``), the outermost
+    call is the one handled, the inner hooks stand aside.
+
     The forward hook (``always_call=True``) ends the call. A Trainer's training call (it passes
     ``num_items_in_batch``) to a head that no :class:`~hf_midx.MidxCallback` schedules warns once.
 
@@ -132,29 +147,30 @@ class HostBinding:
         self.had_loss_function = _own_loss_function(host) is not None
         self.saved_loss_function = host.loss_function
         self.saved_loss_type = getattr(host, "loss_type", None)
-        try:
-            params = list(inspect.signature(host.forward).parameters.values())
-            positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            self.labels_position = positional.index("labels") if "labels" in positional else None
-        except (TypeError, ValueError):
-            self.labels_position = None
+        self.labels_position = _labels_position(host)
+        self._labels_positions: dict[nn.Module, int | None] = {host: self.labels_position}  # per hooked module
         self._capturing, self._exact = False, False
         self._hidden: torch.Tensor | None = None  # (B, S, D): the head's input in the current call
         self._fused: dict[str, Any] | None = None  # set for a training call with fused_lm_head=True
         self._warned_unhooked = self._warned_unscheduled = self._warned_full_training = False
         self._warned_undecided = False
+        self._caller: nn.Module | None = None  # the hooked module whose call is in progress (the outermost)
         #: How a training run's log-prob calls with gradients are answered, as :class:`~hf_midx.MidxCallback`
         #: decided from the trainer's arguments; None: undecided (exact, warned).
         self.log_prob_decision: LogProbDecision | None = None
 
-    def attach(self) -> None:
-        """Register the hooks, replace the host's ``loss_function`` and declare its loss type."""
+    def attach(self, callers: list[nn.Module] | tuple = ()) -> None:
+        """Register the hooks (on the host and on ``callers``, modules that call its ``forward`` directly with the
+        host's arguments), replace the host's ``loss_function`` and declare its loss type."""
         host, registry = self.host, _loss_registry()
         self._loss_signature = inspect.signature(registry[_CAUSAL_LM_LOSS_TYPE])  # to bind the host's arguments
-        self.handles = [
-            host.register_forward_pre_hook(self.before_forward, with_kwargs=True),
-            host.register_forward_hook(self.after_forward, with_kwargs=True, always_call=True),
-        ]
+        self.handles = []
+        self._labels_positions.update({caller: _labels_position(caller) for caller in callers})
+        for module in [host, *callers]:
+            self.handles += [
+                module.register_forward_pre_hook(self.before_forward, with_kwargs=True),
+                module.register_forward_hook(self.after_forward, with_kwargs=True, always_call=True),
+            ]
         host.loss_function = self.loss_function
         if registry.get(self.saved_loss_type) is not registry[_CAUSAL_LM_LOSS_TYPE]:
             host.loss_type = _CAUSAL_LM_LOSS_TYPE
@@ -167,7 +183,7 @@ class HostBinding:
         """Remove the hooks and give the host back its loss function and loss type."""
         for handle in self.handles:
             handle.remove()
-        self.handles = []
+        self.handles, self._caller = [], None
         host = self.host
         if host.loss_function == self.loss_function:  # not replaced since
             if self.had_loss_function:
@@ -203,10 +219,14 @@ class HostBinding:
 
     # ------------------------------------------------------------------ the hooks
     def before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self._caller is not None:  # inside a hooked caller's call: the outer call decides
+            return None
+        self._caller = module
         head = self.head
         labels = kwargs.get("labels")
-        if labels is None and self.labels_position is not None and len(args) > self.labels_position:
-            labels = args[self.labels_position]
+        position = self._labels_positions.get(module)
+        if labels is None and position is not None and len(args) > position:
+            labels = args[position]
         fused = bool(kwargs.get("fused_lm_head"))
         only_shifted = labels is None and fused and kwargs.get("shift_labels") is not None
         if only_shifted:
@@ -278,6 +298,9 @@ class HostBinding:
         return self.log_prob_decision.route
 
     def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        if module is not self._caller:  # an inner call ends: the outer one is still running
+            return None
+        self._caller = None
         fused = self._fused
         self.reset()
         if fused is None or output is None:

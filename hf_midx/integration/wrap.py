@@ -106,7 +106,7 @@ def wrap(
             "but computes the sampled-softmax cross-entropy in training mode with labels.",
             stacklevel=2,
         )
-    binding.attach()
+    binding.attach(callers=_callers(model, host))
     if verify:
         try:
             _verify(binding)
@@ -258,6 +258,12 @@ def _find_host(model: nn.Module, linear: nn.Linear) -> nn.Module:
         f"Could not find the transformers PreTrainedModel that owns the LM head inside {type(model).__name__}; "
         "wrap a transformers causal LM (or a PEFT model around one)."
     )
+
+
+def _callers(model: nn.Module, host: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` (outside the host) that hold the host as their ``model``: PEFT's tuner (``LoraModel``),
+    which peft 0.20 runs as ``self.model.forward(...)``, past the host's hooks, and the ``PeftModel`` around it."""
+    return [m for m in model.modules() if m is not host and getattr(m, "model", None) is host]
 
 
 def _replace_module(root: nn.Module, old: nn.Module, new: nn.Module) -> None:

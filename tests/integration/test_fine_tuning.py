@@ -177,3 +177,37 @@ def test_the_trainers_label_smoothing_and_the_z_loss_train_and_log(tmp_path):
     trainer.save_model(str(tmp_path / "model"))
     card = (tmp_path / "model" / "README.md").read_text()
     assert "| Label smoothing | eps = 0.1" in card and "| z-loss | 0.001" in card and "LM head | frozen" not in card
+
+
+class _DirectCaller(torch.nn.Module):
+    """A wrapper that runs its model as ``self.model.forward(...)``, past the model's hooks, as PEFT's tuner does in
+    peft 0.20 (``BaseTuner.forward``), which Axolotl 0.19 pins: its LoRA runs trained the full softmax (one warning)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return self.model.forward(*args, **kwargs)
+
+    def get_output_embeddings(self):
+        return self.model.get_output_embeddings()
+
+
+def test_a_wrapper_that_calls_the_models_forward_directly_still_trains_sampled():
+    host = tiny_model("llama", VOCAB)
+    outer = _DirectCaller(host)
+    hf_midx.wrap(outer, MidxConfig(num_samples=16), class_counts=torch.ones(VOCAB))
+    head = find_head(outer)
+    outer.train()
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    out = outer(input_ids=ids, labels=ids)
+    assert out.logits.shape[-1] == 0 and head.sampled_calls == 1  # the sampled softmax, not full logits
+    host(input_ids=ids, labels=ids)  # the model called on its own: its own hooks, one call
+    assert head.sampled_calls == 2
+    outer.eval()
+    assert outer(input_ids=ids, labels=ids).logits.shape[-1] == VOCAB  # evaluation: the full logits
+    hf_midx.unwrap(outer)
+    outer.train()
+    out = outer(input_ids=ids, labels=ids)  # unwrapped: the plain model again
+    assert out.logits.shape[-1] == VOCAB and not outer._forward_pre_hooks and not host._forward_pre_hooks
