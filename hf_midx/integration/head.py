@@ -29,6 +29,7 @@ from ..losses.log_probs import LogitTransform, SampledGradientLogProbs, log_prob
 from ..losses.precision import product_dtype
 from ..registry import build_sampler  # any hf_midx import runs hf_midx/__init__, which registers the samplers
 from .step_data import StepData
+from .trl_log_probs import trl_statistics
 from .zero import check_whole, full_shape
 
 logger = logging.getLogger(__name__)
@@ -272,7 +273,8 @@ class MidxLMHead(nn.Module):
         assert_labels_in_range(y, self.num_classes)  # on the device: no sync
         transform = LogitTransform(float(temperature), self.logit_scale, self.logit_softcap)
         dtype = logits_dtype(h)  # TRL's rule: its old-policy and reference log-probs round the same way
-        stats = log_prob_statistics(h, weight, bias, y, transform, dtype)
+        stats = trl_statistics(h, weight, bias, y, valid, transform, dtype)  # GPUs: TRL's Triton fold itself
+        stats = log_prob_statistics(h, weight, bias, y, transform, dtype) if stats is None else stats
         sampler = self._sampler_on(weight.device)
         ids, log_q = sampler.draw(h.detach().float() * self.logit_scale, self.config.num_samples)
         log_probs, entropy = SampledGradientLogProbs.apply(h, weight, bias, y, valid, stats, sampler.excluded, ids,

@@ -88,13 +88,14 @@ def _wrap_saving(trainer, callback) -> None:
         ours = head is not None and callback.head is head
         if ours and os.path.basename(os.path.normpath(output_dir)) == f"checkpoint-{trainer.state.global_step}":
             callback.save(output_dir, trainer.args)  # before the Trainer's files, so that a pushed checkpoint has it
+        # Read before the Trainer writes: PEFT's save_pretrained writes (or updates) a README.md card of its own.
+        kept = None if _internal_call else user_readme(output_dir)
         save_model(output_dir, _internal_call=_internal_call)
         if head is None or not trainer.args.should_save:
             return
         head.config.save_pretrained(output_dir, chosen=callback.chosen_fields() if ours else None)
         if _internal_call:
             return
-        kept = user_readme(output_dir)
         if kept is None:
             write_model_card(trainer, output_dir, head.config, num_classes=head.num_classes)
         elif not warned:

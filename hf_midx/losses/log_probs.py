@@ -145,7 +145,7 @@ class SampledGradientLogProbs(torch.autograd.Function):
     """(log p_y, entropy) per token, values exact (from :func:`log_prob_statistics`), gradient estimated.
 
     forward(hidden (T, D), weight (V, D), bias (V,) or None, labels (T,) int64, valid (T,) bool, stats (the dict of
-    :func:`log_prob_statistics`), head_ids (H,) int64 or None, ids (T, M) int64 draws of the tail, log_q (T, M)
+    :func:`log_prob_statistics`, or the same fields from another exact fold with its ``log_probs``), head_ids (H,) int64 or None, ids (T, M) int64 draws of the tail, log_q (T, M)
     float32, transform, dtype (of the products; default: hidden's)) -> (log_probs (T,), entropy (T,)), float32, 0 where
     not ``valid``.
 
@@ -161,7 +161,8 @@ class SampledGradientLogProbs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, labels, valid, log_z, entropy, head_ids, ids, log_q)
         ctx.transform, ctx.dtype = transform, hidden.dtype if dtype is None else dtype
         zero = torch.zeros_like(log_z)
-        return torch.where(valid, stats["label_logit"] - log_z, zero), torch.where(valid, entropy, zero)
+        log_probs = stats["log_probs"] if "log_probs" in stats else stats["label_logit"] - log_z  # given: as is
+        return torch.where(valid, log_probs, zero), torch.where(valid, entropy, zero)
 
     @staticmethod
     def backward(ctx, g_log_probs, g_entropy):

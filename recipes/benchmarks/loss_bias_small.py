@@ -70,8 +70,8 @@ def measure(model, valid: torch.Tensor, draws: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--at", type=int, nargs="+", default=[0, 60, 300], help="steps at which to measure")
-    parser.add_argument("--draws", type=int, default=300)
+    parser.add_argument("--at", type=int, nargs="+", default=[0, 60, 200], help="steps at which to measure")
+    parser.add_argument("--draws", type=int, default=100)
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -116,7 +116,9 @@ def main() -> None:
              "|--:|--:|--:|--:|--:|"]
     lines += [f"| {p['step']} | {p['exact_loss']:.4f} | {p['bias']:+.4f} ({p['sd']:.4f}; {p['sem']:.5f}) | "
               f"{p['head_mass']:.3f} | {p['ess']:.3f} |" for p in points]
-    lines.append("\nCommand: `python recipes/benchmarks/loss_bias_small.py --output DIR`.")
+    at = " ".join(str(a) for a in args.at)
+    lines.append(f"\nCommand: `python recipes/benchmarks/loss_bias_small.py --vocab {args.vocab} --at {at} --draws "
+                 f"{args.draws} --output DIR`.")
     (out / "loss_bias_small.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 

@@ -254,6 +254,36 @@ def test_exact_forward_values_are_trl_s_bit_for_bit_under_bf16_autocast(arch):
 
 
 @needs_trl_fused
+def test_on_gpus_exact_forward_takes_trl_s_own_fold(monkeypatch):
+    """Where TRL folds in Triton (CUDA), the values come from TRL's function called as its head calls it (ignored
+    positions left out): forced here on the CPU, the policy's fields are TRL's bit for bit under bf16 autocast,
+    ignored positions 0, and the sampled backward runs from the derived log Z."""
+    from hf_midx.integration import head as head_module
+    from hf_midx.integration.trl_log_probs import trl_statistics
+
+    calls = []
+
+    def forced(*args, **kwargs):
+        calls.append(1)
+        return trl_statistics(*args, **kwargs, force=True)
+
+    monkeypatch.setattr(head_module, "trl_statistics", forced)
+    model, reference, ids = _exact_forward_pair("gemma2")
+    labels = ids.clone()
+    labels[:, :5] = -100
+    model.train(), reference.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        want = reference(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert calls
+    for name in FIELDS:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (got.log_probs.sum() + got.entropy.sum()).backward()
+    assert torch.isfinite(find_head(model).weight.grad).all() and find_head(model).sampled_calls == 1
+
+
+@needs_trl_fused
 @pytest.mark.parametrize("autocast", [False, True])
 def test_statistics_fold_trl_s_tiles_in_trl_s_rounding(monkeypatch, autocast):
     """Five class tiles (the last one short), two token tiles, a bias, a scale and a soft-cap at temperature 0.7:
