@@ -277,9 +277,9 @@ class HostBinding:
             return
         self._warned_never_refreshed = True
         warnings.warn(
-            f"hf_midx: {calls} training calls and the MIDX index was never rebuilt (refresh_every_steps={every!r}): the "
-            "sampler keeps the proposal of the weights it was built from, and the loss drifts from the full "
-            "softmax's. In a loop of your own, create scheduler = hf_midx.RefreshScheduler(model) and call "
+            f"hf_midx: {calls} training calls since the MIDX index was last built, and nothing schedules its rebuilds "
+            f"(refresh_every_steps={every!r}): the sampler keeps the proposal of old weights, and the loss drifts "
+            "from the full softmax's. In a loop of your own, create scheduler = hf_midx.RefreshScheduler(model) and call "
             "scheduler.step() after each optimizer.step() (or hf_midx.refresh_index(model) yourself); with a "
             "Trainer, MidxCallback.install(trainer).",
             UserWarning,
