@@ -69,7 +69,9 @@ def log_prob_statistics(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
     :func:`logits_dtype`), the bias added in that dtype, and only then float32 for the transform and the online
     log-sum-exp, folded over the same (C = :data:`CLASS_TILE`) class tiles in the same order. On a CPU the results
     are TRL's bit for bit, so a ratio of a policy's log-probs to TRL's old-policy ones is exactly 1 where the two
-    models are one; on a GPU, where TRL folds each tile in a Triton kernel, they differ by float32 summation order.
+    models are one; on a GPU, where TRL folds each tile in a Triton kernel, they would differ by float32 summation
+    order and make ~20 float32 passes per tile, so there the head takes TRL's function itself
+    (:mod:`hf_midx.integration.trl_log_probs`) and this is the CPU's and the reference.
 
     The weight is cast one class tile at a time, once per call (the class tiles are the outer loop), and each tile
     costs a fixed number of launches: about 42 x ceil(V / C) x ceil(T / :data:`TOKEN_TILE`) per call (with a soft-cap;
