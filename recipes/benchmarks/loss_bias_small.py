@@ -12,7 +12,7 @@ softmax and the proposal's effective sample size (``hf_midx.proposal_diagnostics
 
     python recipes/benchmarks/loss_bias_small.py --output recipes/benchmarks/results/post-training
 
-Writes ``loss_bias_small.json`` and ``loss_bias_small.md``.
+Writes ``loss_bias_small.json`` and ``loss_bias_small.md`` (``_no_counts`` with ``--no_counts``).
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--at", type=int, nargs="+", default=[0, 60, 200], help="steps at which to measure")
     parser.add_argument("--draws", type=int, default=100)
+    parser.add_argument("--no_counts", action="store_true", help="wrap without class counts (no exact head, uniform "
+                        "draws inside buckets, no unigram mix: what a wrap without token_counts gives, warned)")
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -82,7 +84,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(LlamaConfig(
         vocab_size=args.vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, tie_word_embeddings=False))
-    hf_midx.wrap(model, MidxConfig().for_vocabulary(args.vocab), class_counts=hf_midx.token_counts(train, args.vocab))
+    counts = None if args.no_counts else hf_midx.token_counts(train, args.vocab)
+    hf_midx.wrap(model, MidxConfig().for_vocabulary(args.vocab), class_counts=counts)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = hf_midx.RefreshScheduler(model)
     points, step = [], 0
@@ -104,12 +107,14 @@ def main() -> None:
               "config": {"num_samples": head.config.num_samples, "exact_head": head.config.exact_head},
               "points": points, "commit": commit.strip(), "torch": torch.__version__,
               "transformers": transformers.__version__, "python": platform.python_version()}
-    out = Path(args.output)
+    out, name = Path(args.output), "loss_bias_small" + ("_no_counts" if args.no_counts else "")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "loss_bias_small.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    result["class_counts"] = not args.no_counts
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     lines = [f"# The logged loss's bias on a small model\n",
-             f"A tiny Llama (V = {args.vocab:,}, D = 64, two layers) wrapped with `MidxConfig()` and class counts "
-             f"(M = {head.config.num_samples}, exact head {head.config.exact_head}), trained on a Zipf-Markov stream "
+             f"A tiny Llama (V = {args.vocab:,}, D = 64, two layers) wrapped with `MidxConfig()` "
+             f"{'without class counts ' if args.no_counts else 'and class counts '}(M = {head.config.num_samples}, exact head "
+             f"{head.config.exact_head}), trained on a Zipf-Markov stream "
              f"(AdamW 3e-3, 16 x 64 tokens a step, `RefreshScheduler`); {result['tokens']:,} held-out tokens, "
              f"{args.draws} draws per point; commit {result['commit']}, torch {torch.__version__}.\n",
              "| step | exact loss | sampled - exact (sd; sem) | exact head's mass | ESS / M |",
@@ -118,8 +123,8 @@ def main() -> None:
               f"{p['head_mass']:.3f} | {p['ess']:.3f} |" for p in points]
     at = " ".join(str(a) for a in args.at)
     lines.append(f"\nCommand: `python recipes/benchmarks/loss_bias_small.py --vocab {args.vocab} --at {at} --draws "
-                 f"{args.draws} --output DIR`.")
-    (out / "loss_bias_small.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+                 f"{args.draws}{' --no_counts' if args.no_counts else ''} --output DIR`.")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
