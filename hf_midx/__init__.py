@@ -12,8 +12,8 @@ and the saved model is a plain transformers model. In short::
     trainer.train()
 
 The main names: ``wrap`` / ``unwrap`` (the head of a causal LM), ``MidxConfig`` (every option), ``MidxTrainer``
-and ``MidxCallback`` (index refresh, checkpoints, diagnostics), ``token_counts``, ``refresh_index`` (for your
-own training loop). The algorithm underneath is plain PyTorch: ``indexing`` (the index, quantizers,
+and ``MidxCallback`` (index refresh, checkpoints, diagnostics), ``token_counts``, ``RefreshScheduler`` and
+``refresh_index`` (for your own training loop). The algorithm underneath is plain PyTorch: ``indexing`` (the index, quantizers,
 codebooks), ``samplers`` and ``losses`` (the sampled and the full softmax loss, with Triton kernels in
 ``losses.kernels``). The transformers layer, ``integration`` (head, wrap, callback, trainer, model card and
 theirs), is the one package that imports transformers; the callback and trainer are imported on first use, so
@@ -44,6 +44,7 @@ _LAZY = {
     "MidxLMHead": "integration.head",
     "MidxNonFiniteError": "integration.callback",
     "MidxTrainer": "integration.trainer",
+    "RefreshScheduler": "integration.loop_refresh",
     "refresh_index": "integration.callback",
 }
 
@@ -68,6 +69,7 @@ __all__ = [
     "MidxLMHead",
     "MidxNonFiniteError",
     "MidxTrainer",
+    "RefreshScheduler",
     "SAMPLERS",
     "Sampler",
     "__version__",

@@ -377,3 +377,9 @@ def test_loss_bias_and_exact_forward_write_their_figures(tmp_path):
     for group in result["gradient"]["groups"].values():  # an untrained model: the draws still point the right way
         assert 0.5 < group["cosine_mean"] <= 1.0 + 1e-6
     assert len(result["head_time"]["seconds_min"]) == 3
+    small = subprocess.run([sys.executable, str(BENCH / "loss_bias_small.py"), "--vocab", "512", "--at", "0", "2",
+                            "--draws", "3", "--output", str(tmp_path / "small")],
+                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert small.returncode == 0, small.stderr[-3000:]
+    points = json.loads((tmp_path / "small" / "loss_bias_small.json").read_text())["points"]
+    assert [p["step"] for p in points] == [0, 2] and all(0 < p["head_mass"] < 1 for p in points)

@@ -142,6 +142,16 @@ def test_a_frozen_head_projects_below_the_trainable_one_beside_the_4tvd_floor(tm
     assert "frozen exact floor" in (tmp_path / "cost_model.md").read_text()
 
 
+def test_exact_forward_is_projected_in_bf16_products_beside_its_floor(tmp_path):
+    """--exact_forward (issue 74, item 5): a policy call of float32 weights under bf16 autocast, no float32 GEMM,
+    a bounded number of launches, projected above its 2 T V D floor."""
+    payload = cost_model.main(["--smoke", "--exact_forward", "--models", "gemma3-270m", "--out", str(tmp_path)])
+    (s,) = payload["shapes"]
+    assert s["exact_forward_float32_products"] == 0 and 0 < s["exact_forward_launches"] < 1000
+    assert s["exact_forward_projected_ms"] > s["exact_forward_floor_ms"] > 0
+    assert "exact-forward" in (tmp_path / "cost_model.md").read_text()
+
+
 def test_the_default_step_can_be_one_cuda_graph():
     """What a CUDA graph of the step needs, on the CPU: nothing read back to the host (the trace under fake tensors
     raises on a sync or a data-dependent shape) and the same launches on the same shapes whatever the data (the

@@ -154,7 +154,9 @@ def test_at_most_seven_floors_from_the_top():
 # callback 370 -> 390 (issue 70): midx/train_loss_exact measured before the optimizer step (on_pre_optimizer_step and
 # logs_after_step, which foresees the Trainer's logging steps), still the callback's one idea: the schedule;
 # 390 -> 405 (67): it hands the trainer's log-prob decision to the binding and rebuilds no index that no call draws from.
-MAX_LINES = {"hf_midx.config": 545, "hf_midx.integration.head": 330, "hf_midx.integration.callback": 405,
+# head.py 330 -> 340 (75): exact-forward's products in TRL's dtype and its values from TRL's own fold on GPUs
+# (integration/trl_log_probs.py), and a refresh zeroes the count of unrefreshed calls.
+MAX_LINES = {"hf_midx.config": 545, "hf_midx.integration.head": 340, "hf_midx.integration.callback": 405,
              "hf_midx.samplers.base": 465, "hf_midx.samplers.midx": 480}
 
 

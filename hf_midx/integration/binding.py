@@ -153,10 +153,13 @@ class HostBinding:
         self._hidden: torch.Tensor | None = None  # (B, S, D): the head's input in the current call
         self._fused: dict[str, Any] | None = None  # set for a training call with fused_lm_head=True
         self._warned_unhooked = self._warned_unscheduled = self._warned_full_training = False
-        self._warned_undecided = False
+        self._warned_undecided = self._warned_never_refreshed = False
         self._caller: nn.Module | None = None  # the hooked module whose call is in progress (the outermost)
+        #: True after a training call whose output's ``logits`` is the (B, S, 0) placeholder (the sampled loss is
+        #: ``loss``), until the next call: ``install``'s ``compute_loss`` then explains an error from reading it.
+        self.placeholder_returned = False
         #: How a training run's log-prob calls with gradients are answered, as :class:`~hf_midx.MidxCallback`
-        #: decided from the trainer's arguments; None: undecided (exact, warned).
+        #: decided from the trainer's arguments, set inside that run's steps only; None: undecided (exact, warned).
         self.log_prob_decision: LogProbDecision | None = None
 
     def attach(self, callers: list[nn.Module] | tuple = ()) -> None:
@@ -206,6 +209,14 @@ class HostBinding:
             "hf_midx.wrap(model, config, class_counts=...) with counts of the new vocabulary size."
         )
 
+    def end_run(self) -> None:
+        """Forget what the training run that called this model decided (:attr:`log_prob_decision`, the head's
+        ``step_data.scheduled``): a run interrupted in a forward leaves nothing behind for the next one, which
+        gets exact log-probs and the warnings of a run without :class:`~hf_midx.MidxCallback` until its own
+        callback's next step begins."""
+        self.log_prob_decision = None
+        self.head.step_data.scheduled = False
+
     def reset(self) -> None:
         """End the current call: full logits again, nothing kept."""
         self._capturing, self._exact, self._hidden, self._fused = False, False, None, None
@@ -234,13 +245,15 @@ class HostBinding:
             # only when it gets labels, and the loss then uses shift_labels (ForCausalLMLoss semantics).
             labels = kwargs["shift_labels"]
         self.reset()
+        self.placeholder_returned = False
         if labels is None and head.training and torch.is_grad_enabled() and not self._warned_full_training:
             self._warned_full_training = True
             warnings.warn(
                 "MidxLMHead computed full logits in training mode with gradients: the model was called without "
                 "labels, so whatever loss the caller builds from these logits trains the full softmax, not the "
-                "sampled one (e.g. label smoothing or a compute_loss_func). Pass labels to the model to train "
-                "with MIDX.",
+                "sampled one (a Trainer with a compute_loss_func or a label smoother takes the labels away from the "
+                "model). Pass labels to the model to train with MIDX: drop compute_loss_func (MidxConfig's "
+                "label_smoothing and z_loss are the sampled loss's own).",
                 stacklevel=2,
             )
         if labels is None or not (head.exact_only or head.training):
@@ -261,6 +274,9 @@ class HostBinding:
                 UserWarning,
                 stacklevel=2,
             )
+        head.step_data.calls_since_refresh += 1
+        if not head.step_data.scheduled and "num_items_in_batch" not in kwargs:
+            self._warn_never_refreshed()
         if fused:
             # TRL asks for its fused output; its fused forward would compute the exact softmax and never
             # call this head. Run the model's own forward (the sampled loss) and convert the output after.
@@ -270,6 +286,25 @@ class HostBinding:
                 kwargs["labels"] = labels
             return args, kwargs
         return None
+
+    def _warn_never_refreshed(self) -> None:
+        """Once: a loop of the user's own has trained through more calls than the schedule lets pass without a
+        rebuild (``refresh_every_steps``, or ``refresh_min_steps`` under "auto") and nothing rebuilt the index."""
+        config, calls = self.head.config, self.head.step_data.calls_since_refresh
+        every = config.refresh_every_steps
+        limit = config.refresh_min_steps if every == "auto" else int(every)
+        if self._warned_never_refreshed or not limit or calls <= limit or self.head.frozen:
+            return
+        self._warned_never_refreshed = True
+        warnings.warn(
+            f"hf_midx: {calls} training calls since the MIDX index was last built, and nothing schedules its rebuilds "
+            f"(refresh_every_steps={every!r}): the sampler keeps the proposal of old weights, and the loss drifts "
+            "from the full softmax's. In a loop of your own, create scheduler = hf_midx.RefreshScheduler(model) and call "
+            "scheduler.step() after each optimizer.step() (or hf_midx.refresh_index(model) yourself); with a "
+            "Trainer, MidxCallback.install(trainer).",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _log_prob_route(self) -> str:
         """How this training call's per-token log-probabilities (``fused_lm_head=True``) are answered (one of
@@ -302,8 +337,12 @@ class HostBinding:
             return None
         self._caller = None
         fused = self._fused
+        self.placeholder_returned = self._capturing and not self._exact and fused is None and output is not None
         self.reset()
-        if fused is None or output is None:
+        if output is None:  # the forward raised (an always_call hook sees no output): the run may be over
+            self.end_run()
+            return None
+        if fused is None:
             return None
         if "per_token" not in fused:
             raise RuntimeError(

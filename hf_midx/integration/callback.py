@@ -23,7 +23,6 @@ flow callback, so that the reporting integrations see the ``midx/`` keys. Every 
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import warnings
@@ -40,10 +39,10 @@ from .head import MidxLMHead, find_head
 from .learned_codebooks import CodebookTraining
 from .log_prob_calls import decide_log_probs
 from .log_entries import FullSoftmaxMetrics, add_perplexity
-from .model_card import write_model_card
 from .nonfinite import ADVICE, MidxNonFiniteError, NonFiniteCheck
 from .refresh_schedule import RefreshSchedule
 from .state import find_resume_folder, has_state
+from .trainer_methods import wrap_trainer_methods
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +96,7 @@ class MidxCallback(TrainerCallback):
         self._full_softmax = FullSoftmaxMetrics()
         self._trainer_name: str | None = None
         self._exact_before_step: torch.Tensor | None = None  # this step's midx/train_loss_exact, on the device
+        self._decision = None  # the LogProbDecision of the current run, in force inside its steps
 
     @classmethod
     def install(cls, trainer, *, resume_from_checkpoint: str | os.PathLike | None = None) -> "MidxCallback":
@@ -117,8 +117,7 @@ class MidxCallback(TrainerCallback):
             handler.pop_callback(cb)
         for cb in [callback, *later]:
             handler.add_callback(cb)
-        if not getattr(trainer.save_model, "midx_wrapped", False):
-            callback._wrap_saving(trainer)
+        wrap_trainer_methods(trainer, callback)  # save_model, create_model_card, train: once per instance
         if getattr(trainer, "label_smoother", None) is not None:
             # The Trainer's smoother would take the labels away from the model and smooth full logits; the head
             # smooths its sampled loss instead (MidxConfig.label_smoothing, set from the factor at train start).
@@ -136,10 +135,10 @@ class MidxCallback(TrainerCallback):
                 "creating the Trainer (for model_init, wrap the model inside it)."
             )
         refuse_data_parallel(args)
-        decision = decide_log_probs(head.config.log_probs, args, self._trainer_name)  # may refuse: before any step
-        if head.binding is not None:
-            head.binding.log_prob_decision = decision
-        logger.info(decision.reason)
+        # May refuse: before any step. In force only inside this run's steps (_open_step), so that it ends with the
+        # run, finished or interrupted.
+        self._decision = decide_log_probs(head.config.log_probs, args, self._trainer_name)
+        logger.info(self._decision.reason)
         if args.label_smoothing_factor:
             self._take_label_smoothing(head, float(args.label_smoothing_factor))
         self.head, config = head, head.config
@@ -157,7 +156,6 @@ class MidxCallback(TrainerCallback):
             )
         self._pending, self._saved_folder, self._exact_before_step = {}, None, None
         head.step_data.clear(local_device(head.weight))  # where the model now trains
-        head.step_data.scheduled = True  # the host binding's "no MidxCallback" warning stays quiet
         self._nonfinite.start(state.global_step, state.epoch)
         rebuild_seconds = head.build_seconds
         if sampler_device(head) != local_device(head.weight):
@@ -186,10 +184,28 @@ class MidxCallback(TrainerCallback):
         self.resume_from_checkpoint = None
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.head is not None:  # the host binding warns again of a training call without a schedule
-            self.head.step_data.scheduled = False
-            if self.head.binding is not None:
-                self.head.binding.log_prob_decision = None
+        self.end_run()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        head = self.head
+        if head is None:
+            return
+        # The run's decisions hold from here to the step's end: a run interrupted inside a step (an exception, a
+        # KeyboardInterrupt) leaves nothing behind for the next one on this model once the step's forward raised
+        # (the binding ends it) or train() returned (install's wrapper); outside steps nothing of it is left.
+        head.step_data.scheduled = True  # the host binding's "no MidxCallback" warning stays quiet
+        if head.binding is not None:
+            head.binding.log_prob_decision = self._decision
+
+    def end_run(self) -> None:
+        """End this run's hold on the head: the trainer's log-prob decision and the "scheduled" mark. Called at each
+        step's end and train end, and by ``install``'s ``train`` wrapper when a run stops with an exception; a later
+        call with gradients and no callback then gets the exact log-probs and the warnings of a run without one."""
+        head = self.head
+        if head is not None and head.binding is not None:
+            head.binding.end_run()
+        elif head is not None:  # unwrapped since
+            head.step_data.scheduled = False
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # A new epoch after a finished one: the Trainer sets epoch = e + 1.0 exactly at the end of epoch e
@@ -211,6 +227,7 @@ class MidxCallback(TrainerCallback):
         head = self.head
         if head is None:
             return
+        self.end_run()  # until the next step begins (on_step_begin)
         self._nonfinite.mark(head.step_data, state.global_step, state.epoch)
         # A frozen head, or one no call has sampled from, is never rebuilt: "auto" chooses (and logs) no interval.
         idle = self._idle()
@@ -252,6 +269,10 @@ class MidxCallback(TrainerCallback):
         logs.update(values)
         entry.update(values)
 
+    def on_predict(self, args, state, control, metrics=None, **kwargs):
+        if metrics is not None:  # predict() logs nothing: its metrics get <prefix>_perplexity here
+            add_perplexity(metrics)
+
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if self.head is not None and not (self._saved_folder == os.path.abspath(folder) and has_state(folder)):
@@ -289,7 +310,7 @@ class MidxCallback(TrainerCallback):
     def save(self, folder: str, args) -> None:
         """Write the MIDX state of this rank into ``folder`` (every rank calls it)."""
         save_head_state(folder, self.head, self.codebooks, last_refresh_step=self.last_refresh_step, args=args,
-                        schedule=None if self.schedule is None else self.schedule.state(), chosen=self._chosen())
+                        schedule=None if self.schedule is None else self.schedule.state(), chosen=self.chosen_fields())
         self._saved_folder = os.path.abspath(folder)
 
     def check_finite(self, state) -> None:
@@ -329,8 +350,9 @@ class MidxCallback(TrainerCallback):
         training call of this run has drawn from the sampler (e.g. DPO or GRPO, whose log-prob calls are exact)."""
         return self.head.frozen or self.head.step_data.last_batch is None
 
-    def _chosen(self) -> dict[str, int]:
-        """What the config's ``"auto"`` fields became in training (``exact_head`` is a number from the wrap on)."""
+    def chosen_fields(self) -> dict[str, int]:
+        """What the config's ``"auto"`` fields became in training, for ``midx_config.json`` (``exact_head`` is a
+        number from the wrap on)."""
         return {} if self.schedule is None else self.schedule.chosen()
 
     def _chose(self, message: str) -> None:
@@ -357,36 +379,6 @@ class MidxCallback(TrainerCallback):
         self._exact_before_step = None
         if head.step_data.z_loss is not None:  # the last micro-batch's, as the exact loss
             self._pending["midx/z_loss"] = mean_over_ranks(head.step_data.z_loss.float())
-
-    def _wrap_saving(self, trainer) -> None:
-        """This trainer's ``save_model`` also writes ``midx_config.json`` and (called by the user) the MIDX card,
-        and into this step's checkpoint folder the MIDX state first; its ``create_model_card`` writes the card."""
-        save_model, create_model_card = trainer.save_model, trainer.create_model_card
-
-        @functools.wraps(save_model)
-        def save_model_with_midx(output_dir: str | None = None, _internal_call: bool = False) -> None:
-            output_dir = os.fspath(trainer.args.output_dir if output_dir is None else output_dir)
-            head = find_head(trainer.model)  # None after hf_midx.unwrap: a plain model, saved as one
-            checkpoint = f"checkpoint-{trainer.state.global_step}"
-            if head is not None and self.head is head and os.path.basename(os.path.normpath(output_dir)) == checkpoint:
-                self.save(output_dir, trainer.args)  # before the Trainer's files, so that a pushed checkpoint has it
-            save_model(output_dir, _internal_call=_internal_call)
-            if head is not None and trainer.args.should_save:
-                head.config.save_pretrained(output_dir, chosen=self._chosen() if head is self.head else None)
-                if not _internal_call:
-                    write_model_card(trainer, output_dir, head.config, num_classes=head.num_classes)
-
-        @functools.wraps(create_model_card)
-        def create_midx_model_card(**card_args) -> None:
-            head = find_head(trainer.model)
-            if head is None:
-                return create_model_card(**card_args)
-            if trainer.is_world_process_zero():
-                output_dir = trainer.args.output_dir
-                write_model_card(trainer, output_dir, head.config, num_classes=head.num_classes, **card_args)
-
-        save_model_with_midx.midx_wrapped = True
-        trainer.save_model, trainer.create_model_card = save_model_with_midx, create_midx_model_card
 
 
 def logs_after_step(args, state) -> bool:

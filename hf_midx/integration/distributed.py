@@ -157,6 +157,7 @@ def refresh_head(head, codebooks: tuple[torch.Tensor, torch.Tensor] | None = Non
             else:
                 head.refresh(weight)
     broadcast_sampler(head)
+    head.step_data.calls_since_refresh = 0
     return time.perf_counter() - start
 
 

@@ -25,10 +25,11 @@ from .kernel_guard import KernelGuard
 from ..losses.exact_head import auto_exact_head, exact_head_ids
 from ..losses import full_softmax_loss, sampled_softmax_loss
 from ..losses.full import assert_labels_in_range
-from ..losses.log_probs import LogitTransform, SampledGradientLogProbs, log_prob_statistics
+from ..losses.log_probs import LogitTransform, SampledGradientLogProbs, log_prob_statistics, logits_dtype
 from ..losses.precision import product_dtype
 from ..registry import build_sampler  # any hf_midx import runs hf_midx/__init__, which registers the samplers
 from .step_data import StepData
+from .trl_log_probs import trl_statistics
 from .zero import check_whole, full_shape
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ class MidxLMHead(nn.Module):
                              "gather a sharded weight first (hf_midx.refresh_index(model) does).")
         if hasattr(w, "full_tensor"):
             raise ValueError("refresh got a sharded DTensor weight; hf_midx.refresh_index(model) gathers it.")
+        self.step_data.calls_since_refresh = 0
         if w.device == self.sampler.device:
             return self.sampler.refresh(w.detach())
         self.sampler = self._build_sampler(w)  # the head moved
@@ -207,14 +209,17 @@ class MidxLMHead(nn.Module):
         check_whole(weight)  # a ZeRO-3 slice outside the engine's forward: one clear error
         if reduction is None:
             reduction = "mean" if num_items_in_batch is None else "sum"
-        # Under autocast the sampled loss multiplies in its dtype as an nn.Linear head would, the weight uncast (the
-        # loss casts it where its path needs a copy; hf_midx.losses.precision); the exact loss keeps the weight's
-        # precision. Either runs with autocast off, the kernels' probe under the caller's (it probes the AMP step).
-        dtype = weight.dtype if exact else product_dtype(weight)
+        # Under autocast both losses multiply in its dtype as an nn.Linear head would (float32 accumulation and
+        # gradients: hf_midx.losses.precision): the sampled one on the weight uncast (its path casts where it needs a
+        # copy; the kernels round tiles on chip), the exact one on the cast weight, so that it is the unwrapped
+        # model's (an eval_loss with or without compute_metrics). Either runs with autocast off (it would recast some
+        # of the loss's ops and not the kernels), the kernels' probe under the caller's (it probes the AMP step).
+        dtype = product_dtype(weight)
         kernels = None if exact else self.kernel_guard.kernels(self.config, self.probe_shape(), weight, dtype)
         autocast = torch.is_autocast_enabled(h.device.type)
         with torch.autocast(h.device.type, enabled=False) if autocast else contextlib.nullcontext():
-            bias = bias if bias is None or exact else bias.to(dtype)  # as nn.Linear's: (V,), in the products' dtype
+            weight = weight.to(dtype) if exact else weight
+            bias = None if bias is None else bias.to(dtype)  # as nn.Linear's: (V,), in the products' dtype
             raw = h = h.to(dtype)
             if self.logit_scale != 1.0:
                 h = h * self.logit_scale
@@ -243,7 +248,8 @@ class MidxLMHead(nn.Module):
     def exact_log_probs(self, hidden: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
                         temperature: float = 1.0) -> dict[str, torch.Tensor]:
         """Exact per-token log-probabilities and softmax statistics with a sampled gradient
-        (:mod:`hf_midx.losses.log_probs`): TRL's fused-head fields for ``MidxConfig(log_probs="exact-forward")``.
+        (:mod:`hf_midx.losses.log_probs`): TRL's fused-head fields for ``MidxConfig(log_probs="exact-forward")``, in
+        its rounding (products in the autocast dtype under autocast, then float32).
 
         Args:
             hidden: (..., D) hidden states (the head's input); labels: (...) already shifted, or ``ignore_index``.
@@ -266,11 +272,13 @@ class MidxLMHead(nn.Module):
         y = y.masked_fill(~valid, 0)
         assert_labels_in_range(y, self.num_classes)  # on the device: no sync
         transform = LogitTransform(float(temperature), self.logit_scale, self.logit_softcap)
-        stats = log_prob_statistics(h, weight, bias, y, transform)
+        dtype = logits_dtype(h)  # TRL's rule: its old-policy and reference log-probs round the same way
+        stats = trl_statistics(h, weight, bias, y, valid, transform, dtype)  # GPUs: TRL's Triton fold itself
+        stats = log_prob_statistics(h, weight, bias, y, transform, dtype) if stats is None else stats
         sampler = self._sampler_on(weight.device)
         ids, log_q = sampler.draw(h.detach().float() * self.logit_scale, self.config.num_samples)
         log_probs, entropy = SampledGradientLogProbs.apply(h, weight, bias, y, valid, stats, sampler.excluded, ids,
-                                                          log_q, transform)
+                                                          log_q, transform, dtype)
         self.step_data.record(h.detach().to(weight.dtype), labels.reshape(-1), ignore_index, log_probs)
         fields = {"log_probs": log_probs, "entropy": entropy, "is_top1": stats["is_top1"] & valid,
                   **{k: stats[k] * valid for k in ("log_sum_sq_probs", "mean_logits")}}

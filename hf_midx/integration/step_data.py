@@ -31,11 +31,14 @@ class StepData:
             every call. :attr:`calls` reads it.
         scheduled: True while a :class:`~hf_midx.MidxCallback` (or another schedule) trains this head;
             the host binding warns once when a Trainer trains without one.
+        calls_since_refresh: the sampled training calls through the model since the index was last built (a host
+            count, no sync): the binding tells a loop that never refreshes, once.
     """
 
     def __init__(self, kl_queries: int, device: torch.device | str = "cpu") -> None:
         self.kl_queries = int(kl_queries)
         self.scheduled = False
+        self.calls_since_refresh = 0
         self._counts = self._flags = None
         self.clear(device)
 

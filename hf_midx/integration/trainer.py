@@ -21,7 +21,6 @@ normalization over ``labels[..., 1:]`` comes from the wrapped model's ``loss_typ
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 from typing import Any
 
@@ -87,19 +86,14 @@ class MidxTrainer(PerplexityMixin, ExactEvaluationMixin, Trainer):
     it writes (:data:`CARD_EXTRAS`: a script's final results, as ``eval_results`` and Markdown ``sections``).
 
     Raises:
-        ValueError: no MIDX head; ``compute_loss_func`` (it needs the full logits; ``label_smoothing_factor`` becomes
-            the head's ``MidxConfig.label_smoothing``, see ``MidxCallback.install``); one process on several GPUs
-            (DataParallel, see ``MidxCallback.install``).
+        ValueError: no MIDX head; one process on several GPUs (DataParallel, see ``MidxCallback.install``).
+    A ``compute_loss_func`` is the plain Trainer's: the Trainer takes the labels from the model's call, which then
+    computes full logits and trains the full softmax, warned once, as with any Trainer (``label_smoothing_factor``
+    instead becomes the head's ``MidxConfig.label_smoothing``, see ``MidxCallback.install``).
     """
 
     def __init__(self, model=None, args=None, *more, **kwargs) -> None:
         # Checked before the Trainer creates output_dir (and, with push_to_hub, the Hub repository).
-        given = inspect.signature(Trainer.__init__).bind_partial(self, model, args, *more, **kwargs).arguments
-        if given.get("compute_loss_func"):
-            raise ValueError(
-                "MidxTrainer cannot use compute_loss_func: it needs the full logits, which the MIDX head does not "
-                "compute during training (it computes the sampled-softmax loss itself)."
-            )
         if args is not None:
             refuse_data_parallel(args)
         self._midx_tokens: torch.Tensor | None = None  # tokens this process trained on in this train() call

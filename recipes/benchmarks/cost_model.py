@@ -658,6 +658,48 @@ def project_amp(v: int, d: int, t: int, *, machine: dict = H200, **options) -> d
             "amp_launches": out["launches"], "amp_parts": {p: x["ms"] for p, x in out["parts"].items()}}
 
 
+def project_exact_forward(v: int, d: int, t: int, *, machine: dict = H200, **options) -> dict:
+    """``log_probs="exact-forward"`` at (V, D, T) (issue 74, item 5): one policy call of a GRPO-like trainer, float32
+    weights and hidden states under bf16 autocast (TRL's default ``bf16=True``), ``MidxLMHead.exact_log_probs`` and
+    the backward of its log-probs and entropies, traced on fake tensors: its launches, projected ms (peak and
+    calibrated) and how many ``mm`` / ``bmm`` read float32, beside its floor, the logits' forward (2 T V D FLOPs at
+    the dense bf16 peak: the values are exact) and the exact head's (6 T V D)."""
+    head, weight, hidden, labels = default_head(v, d, t, dtype=torch.float32, **options)
+    from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    weight, hidden, labels = (mode.from_tensor(x) for x in (weight, hidden, labels))
+
+    def step():
+        hidden.grad = None
+        with torch.autocast(weight.device.type, dtype=torch.bfloat16):
+            out = head.exact_log_probs(hidden, labels, temperature=0.7)
+        (out["log_probs"].sum() + out["entropy"].sum()).backward()
+
+    head.weight = torch.nn.Parameter(weight)  # the fake weight, as a ZeRO-3 gather would hand it
+    with mode:
+        step()
+    out = summarize([cost(op, machine) for op in trace(step, mode)], head)
+    float32_products = [x for x in out["ops"] if x["op"] in ("mm", "bmm", "addmm") and "float32" in x["shapes"]]
+    return {"exact_forward_projected_ms": out["projected_ms"], "exact_forward_calibrated_ms": out["calibrated_ms"],
+            "exact_forward_launches": out["launches"], "exact_forward_float32_products": len(float32_products),
+            "exact_forward_floor_ms": 2 * t * v * d / machine["tensor_core_flops"] * 1e3}
+
+
+def render_exact_forward(shapes: list[dict]) -> str:
+    """The exact-forward projections (``--exact_forward``) as a Markdown section."""
+    table = common.markdown_table(shapes, [
+        ("model", "model"), ("V x D", lambda s: f"{s['V']:,} x {s['D']:,}"),
+        ("exact-forward (ms)", lambda s: f"{s['exact_forward_projected_ms']:.2f}"),
+        ("calibrated (ms)", lambda s: f"{s['exact_forward_calibrated_ms']:.2f}"),
+        ("launches", "exact_forward_launches"), ("float32 GEMMs", "exact_forward_float32_products"),
+        ("forward floor 2TVD (ms)", lambda s: f"{s['exact_forward_floor_ms']:.2f}"),
+        ("exact floor 6TVD (ms)", lambda s: f"{s['floor_ms']:.2f}")])
+    return "\n".join(["## log_probs='exact-forward': one policy call under bf16 autocast (float32 weights)", "",
+                       "Exact values (the logits' forward over all V classes, TRL's tiles and rounding) and the "
+                       "gradient from the exact head and the draws; temperature 0.7, entropies too.", "", table, ""])
+
+
 def render_amp(shapes: list[dict]) -> str:
     """The mixed-precision step's projections (``--amp``) as a Markdown section."""
     table = common.markdown_table(shapes, [
@@ -767,6 +809,8 @@ def parse_args(argv=None):
                    "gradient, as under LoRA) beside the frozen exact floor 4 T V D FLOPs")  # fmt: skip
     p.add_argument("--amp", action="store_true", help="also project the mixed-precision step (float32 weights "
                    "under bf16 autocast) beside the bfloat16 one")  # fmt: skip
+    p.add_argument("--exact_forward", action="store_true", help="also project a log_probs='exact-forward' policy "
+                   "call (float32 weights under bf16 autocast) beside its 2 T V D floor")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -799,9 +843,15 @@ def main(argv=None) -> dict:
             s.update(project_amp(v, d, t, kmeans_iters=args.kmeans_iters))
             print(f"{'':14s} AMP (float32 weights, bf16 autocast): projected {s['amp_projected_ms']:.2f} ms, "
                   f"{s['amp_launches']} launches", flush=True)
+        if args.exact_forward:
+            s.update(project_exact_forward(v, d, t, kmeans_iters=args.kmeans_iters))
+            print(f"{'':14s} exact-forward: projected {s['exact_forward_projected_ms']:.2f} ms, "
+                  f"{s['exact_forward_launches']} launches, {s['exact_forward_float32_products']} float32 GEMMs",
+                  flush=True)
         shapes.append(s)
     md = render(shapes, H200, settings, env) + ("\n" + render_frozen(shapes) if args.frozen else "")
     md += "\n" + render_amp(shapes) if args.amp else ""
+    md += "\n" + render_exact_forward(shapes) if args.exact_forward else ""
     payload = {"benchmark": NAME, "settings": settings, "environment": env, "machine": H200,
                "calibrated_machine": H200_CALIBRATED, "shapes": shapes}  # fmt: skip
     common.write_outputs(args.out, NAME, payload, md)

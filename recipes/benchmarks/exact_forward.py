@@ -9,8 +9,9 @@ without self-normalization, the exact head's classes scored exactly. This measur
    random sign per sequence, as advantages or preference signs give) against the exact one, per parameter group
    (the tied output embedding, the rest of the model): cosine of one draw's gradient, the relative variance
    E ||g_hat - g||^2 / ||g||^2 and the mean's distance, over ``--draws`` draws;
-2. the head's CPU time (one thread) at V = 131,072: TRL's exact tiled head (forward and backward, what
-   post-training runs under log_probs="auto"), its forward alone, and the exact-forward head;
+2. the head's CPU time at V = 131,072: TRL's exact tiled head (forward and backward, what post-training runs under
+   log_probs="auto"), its forward alone, and exact-forward through ``MidxLMHead.exact_log_probs`` (the path users
+   run; ``--time_only`` measures this alone);
 3. short DPO and GRPO runs (``--steps``, seed 0, a tiny Llama on random words) under "auto" (exact) and
    "exact-forward": the logged loss and reward/margin at every step.
 
@@ -33,7 +34,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_midx
 from hf_midx import MidxConfig
 from hf_midx.integration.head import find_head
-from hf_midx.losses import log_probs
 
 if __package__:
     from .. import lm_data
@@ -93,48 +93,53 @@ def gradient_quality(model_dir: str, draws: int, seq_len: int, rows: int) -> dic
 
 
 def head_time(vocab: int, dim: int, tokens: int, repeats: int) -> dict:
+    """Seconds of one forward + backward of each head at (V, D, T): TRL's exact tiled head, and "exact-forward"
+    through the path users run, ``MidxLMHead.exact_log_probs`` of a head wrapped with ``MidxConfig()`` and Zipf
+    class counts (its draw, bookkeeping and label checks included); TRL's forward alone beside them."""
     from trl.kernels import ChunkedLogProbFunction
 
     torch.manual_seed(0)
-    weight = (torch.randn(vocab, dim) * 0.05).requires_grad_()
+    linear = torch.nn.Linear(dim, vocab, bias=False)
+    with torch.no_grad():
+        linear.weight.normal_(0.0, 0.05)
+    counts = 1e9 / torch.arange(1, vocab + 1, dtype=torch.float64) ** 1.1
+    head = hf_midx.MidxLMHead(linear, MidxConfig().for_vocabulary(vocab), class_counts=counts)
+    weight = head.weight
     h = torch.randn(tokens, dim).requires_grad_()
     y = torch.randint(0, vocab, (tokens,))
     g = torch.where(torch.rand(tokens) < 0.5, -1.0, 1.0)
-    config = MidxConfig()
-    head_ids = torch.arange(min(2048, vocab // 8))  # the "auto" exact head of Zipf-like counts: the first ids
-    counts = 1e9 / torch.arange(1, vocab + 1, dtype=torch.float64) ** 1.1
-    sampler = hf_midx.build_sampler(config.sampler, weight.detach(), class_counts=counts, exclude=head_ids,
-                                    **config.sampler_kwargs())
-    transform, valid = log_probs.LogitTransform(), torch.ones(tokens, dtype=torch.bool)
 
     def exact_step():
         lp = ChunkedLogProbFunction.apply(h, weight, None, y, 1.0, 32768)[0]
         (-(g * lp).sum()).backward()
 
     def exact_forward_step():
-        stats = log_probs.log_prob_statistics(h, weight, None, y, transform)
-        ids, log_q = sampler.draw(h.detach(), config.num_samples)
-        lp = log_probs.SampledGradientLogProbs.apply(h, weight, None, y, valid, stats, head_ids, ids, log_q, transform)
-        (-(g * lp[0]).sum()).backward()
+        lp = head.exact_log_probs(h, y)["log_probs"]
+        (-(g * lp).sum()).backward()
 
     def forward_only():
         with torch.no_grad():
             ChunkedLogProbFunction.apply(h, weight, None, y, 1.0, 32768)
 
-    times = {}
-    for name, step in (("exact forward and backward (TRL)", exact_step),
-                       ("exact-forward: exact values, sampled gradient", exact_forward_step),
-                       ("exact forward alone (TRL)", forward_only)):
+    steps = {"exact forward and backward (TRL)": exact_step,
+             "exact-forward through MidxLMHead: exact values, sampled gradient": exact_forward_step,
+             "exact forward alone (TRL)": forward_only}
+    seconds = {name: [] for name in steps}
+    for step in steps.values():
         step()  # warm-up
-        seconds = []
-        for _ in range(repeats):
+    for _ in range(repeats):  # interleaved: on a shared machine each round's heads meet the same load
+        for name, step in steps.items():
             h.grad = weight.grad = None
             start = time.perf_counter()
             step()
-            seconds.append(time.perf_counter() - start)
-        times[name] = min(seconds)
+            seconds[name].append(time.perf_counter() - start)
+    exact, ours = (seconds[name] for name in list(steps)[:2])
+    ratios = sorted(e / o for e, o in zip(exact, ours))
     return {"vocab_size": vocab, "dim": dim, "tokens": tokens, "repeats": repeats, "threads": torch.get_num_threads(),
-            "exact_head": int(head_ids.numel()), "num_samples": config.num_samples, "seconds_min": times}
+            "exact_head": int(head.exact_ids.numel()), "num_samples": head.config.num_samples,
+            "seconds_min": {k: min(v) for k, v in seconds.items()}, "seconds": seconds,
+            "exact_over_exact_forward_per_round": {"min": ratios[0], "median": ratios[len(ratios) // 2],
+                                                   "max": ratios[-1]}}
 
 
 def short_runs(steps: int, folder: Path) -> dict:
@@ -188,9 +193,16 @@ def short_runs(steps: int, folder: Path) -> dict:
     return out
 
 
+def _provenance() -> dict:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    return {"commit": commit.strip(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model_dir", required=True, help="a model saved by recipes/wikitext2.py")
+    parser.add_argument("--model_dir", help="a model saved by recipes/wikitext2.py (all but --time_only)")
+    parser.add_argument("--time_only", action="store_true", help="only the heads' times (exact_forward_time.json)")
     parser.add_argument("--output", required=True)
     parser.add_argument("--draws", type=int, default=20)
     parser.add_argument("--rows", type=int, default=16, help="validation blocks of 50 predicted tokens")
@@ -203,15 +215,18 @@ def main() -> None:
     torch.manual_seed(0)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
+    if args.time_only:  # the heads' times alone (no model needed): exact_forward_time.json
+        timing = head_time(args.vocab, args.dim, args.tokens, args.repeats)
+        print(json.dumps(timing, indent=1))
+        (out / "exact_forward_time.json").write_text(json.dumps({**timing, **_provenance()}, indent=2) + "\n")
+        return
     quality = gradient_quality(args.model_dir, args.draws, 50, args.rows)
     print(json.dumps(quality, indent=1))
     timing = head_time(args.vocab, args.dim, args.tokens, args.repeats)
     print(json.dumps(timing, indent=1))
     runs = short_runs(args.steps, out / "runs") if args.steps else {}
     print(json.dumps(runs, indent=1))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    result = {"gradient": quality, "head_time": timing, "short_runs": runs, "commit": commit.strip(),
-              "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+    result = {"gradient": quality, "head_time": timing, "short_runs": runs, **_provenance()}
     (out / "exact_forward.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
 

@@ -21,7 +21,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainingArguments  # noqa: E402
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback, TrainingArguments  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 from _models import tiny_model  # noqa: E402
@@ -65,7 +65,7 @@ def base_dir(tmp_path_factory) -> str:
 
 
 def _train(kind: str, base_dir: str, out: str, *, wrapped: bool, lr: float, lora: bool = False,
-           log_probs: str = "auto", steps: int = 3):
+           log_probs: str = "auto", steps: int = 3, bf16: bool = False):
     """``steps`` logged steps of ``kind`` from the saved model; returns (log_history, the head or None)."""
     torch.manual_seed(0)  # LoRA's initialization: the same in both runs
     model = AutoModelForCausalLM.from_pretrained(base_dir)
@@ -75,7 +75,7 @@ def _train(kind: str, base_dir: str, out: str, *, wrapped: bool, lr: float, lora
     if wrapped:
         hf_midx.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=5, log_probs=log_probs))
     common = dict(output_dir=out, max_steps=steps, per_device_train_batch_size=4, learning_rate=lr, logging_steps=1,
-                  save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+                  save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0, bf16=bf16)
     pairs = datasets.Dataset.from_dict({"prompt": _texts(12, 5, 1), "chosen": _texts(12, 6, 2),
                                         "rejected": _texts(12, 6, 3)})
     prompts = datasets.Dataset.from_dict({"prompt": _texts(12, 5, 4)})
@@ -200,18 +200,26 @@ def test_exact_forward_logs_exact_values_and_trains_close_to_the_exact_run(tmp_p
                     assert logged[key] == pytest.approx(expected[key], abs=tolerance), (kind, lr, key)
 
 
-@needs_trl_fused
-@pytest.mark.parametrize("arch", ["gemma2", "cohere", "phi"])  # soft-capped logits, scaled logits, a head bias
-def test_exact_forward_fields_are_trl_s_exact_fields(arch):
-    fields = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-    model = tiny_model(arch, vocab_size=V, seed=0, **({"hidden_dropout": 0.0} if arch == "cohere" else {}))
-    reference = tiny_model(arch, vocab_size=V, seed=0)
+FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def _exact_forward_pair(arch: str, **extra):
+    """A model wrapped for exact-forward (decided as GRPO at temperature 0.7) and its unwrapped twin, both with TRL's
+    fused head at that temperature; and (2, 12) input ids."""
+    model, reference = tiny_model(arch, vocab_size=V, seed=0, **extra), tiny_model(arch, vocab_size=V, seed=0)
     for m in (model, reference):
-        add_fused_lm_head(m, temperature=0.7, outputs=fields)
+        add_fused_lm_head(m, temperature=0.7, outputs=FIELDS)
     hf_midx.wrap(model, MidxConfig(num_samples=8, codebook_size=8, kmeans_iters=5, log_probs="exact-forward"))
     find_head(model).binding.log_prob_decision = decide_log_probs(
         "exact-forward", trl.GRPOConfig(output_dir="unused", temperature=0.7, report_to=[], use_cpu=True, bf16=False))
-    ids = torch.randint(1, V, (2, 12), generator=torch.Generator().manual_seed(0))
+    return model, reference, torch.randint(1, V, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+@needs_trl_fused
+@pytest.mark.parametrize("arch", ["gemma2", "cohere", "phi"])  # soft-capped logits, scaled logits, a head bias
+def test_exact_forward_fields_are_trl_s_exact_fields(arch):
+    fields = FIELDS
+    model, reference, ids = _exact_forward_pair(arch, **({"hidden_dropout": 0.0} if arch == "cohere" else {}))
     labels = ids.clone()
     labels[:, :4] = -100
     model.train(), reference.train()
@@ -224,6 +232,89 @@ def test_exact_forward_fields_are_trl_s_exact_fields(arch):
                                    msg=name)
     got.log_probs.sum().backward()
     assert find_head(model).weight.grad is not None and find_head(model).sampled_calls == 1
+
+
+@needs_trl_fused
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_exact_forward_values_are_trl_s_bit_for_bit_under_bf16_autocast(arch):
+    """Under autocast (TRL's default bf16=True, also on a CPU) at temperature 0.7: the same values as TRL's exact head
+    in the same rounding (products in bfloat16, transform and fold in float32), so that a ratio is exactly 1."""
+    fields = FIELDS
+    model, reference, ids = _exact_forward_pair(arch)
+    model.train(), reference.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(input_ids=ids, labels=ids, fused_lm_head=True)
+        want = reference(input_ids=ids, labels=ids, fused_lm_head=True)
+    for name in fields:
+        assert torch.equal(getattr(got, name), getattr(want, name)), (name, (getattr(got, name).float()
+                                                                             - getattr(want, name).float()).abs().max())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (got.log_probs.sum() + got.entropy.sum()).backward()
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@needs_trl_fused
+def test_on_gpus_exact_forward_takes_trl_s_own_fold(monkeypatch):
+    """Where TRL folds in Triton (CUDA), the values come from TRL's function called as its head calls it (ignored
+    positions left out): forced here on the CPU, the policy's fields are TRL's bit for bit under bf16 autocast,
+    ignored positions 0, and the sampled backward runs from the derived log Z."""
+    from hf_midx.integration import head as head_module
+    from hf_midx.integration.trl_log_probs import trl_statistics
+
+    calls = []
+
+    def forced(*args, **kwargs):
+        calls.append(1)
+        return trl_statistics(*args, **kwargs, force=True)
+
+    monkeypatch.setattr(head_module, "trl_statistics", forced)
+    model, reference, ids = _exact_forward_pair("gemma2")
+    labels = ids.clone()
+    labels[:, :5] = -100
+    model.train(), reference.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        want = reference(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert calls
+    for name in FIELDS:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (got.log_probs.sum() + got.entropy.sum()).backward()
+    assert torch.isfinite(find_head(model).weight.grad).all() and find_head(model).sampled_calls == 1
+
+
+@needs_trl_fused
+@pytest.mark.parametrize("autocast", [False, True])
+def test_statistics_fold_trl_s_tiles_in_trl_s_rounding(monkeypatch, autocast):
+    """Five class tiles (the last one short), two token tiles, a bias, a scale and a soft-cap at temperature 0.7:
+    log_prob_statistics gives TRL's ``ChunkedLogProbFunction`` values bit for bit, in float32 and under autocast."""
+    from trl.kernels import ChunkedLogProbFunction
+    from hf_midx.losses import log_probs as lp
+
+    monkeypatch.setattr(lp, "CLASS_TILE", 64)
+    monkeypatch.setattr(lp, "TOKEN_TILE", 10)
+    g = torch.Generator().manual_seed(0)
+    h, w, b = torch.randn(17, 16, generator=g), torch.randn(300, 16, generator=g), torch.randn(300, generator=g)
+    y = torch.randint(0, 300, (17,), generator=g)
+    transform = lp.LogitTransform(temperature=0.7, scale=0.5, softcap=3.0)
+    fields = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.no_grad():
+        stats = lp.log_prob_statistics(h, w, b, y, transform)
+        want = ChunkedLogProbFunction.apply(h, w, b, y, 0.7, 64, 3.0, 0.5, fields)
+    got = (stats["label_logit"] - stats["log_z"], *(stats[k] for k in fields))
+    for name, x, x_trl in zip(("log_probs", *fields), got, want):
+        assert torch.equal(x, x_trl), (name, (x.float() - x_trl.float()).abs().max())
+
+
+@needs_trl_fused
+def test_exact_forward_under_bf16_logs_rloo_s_zero_loss_at_learning_rate_0(tmp_path, base_dir):
+    """RLOO (bf16=True, temperature 0.7, learning rate 0): the old policy's log-probs come from TRL's head and the
+    policy's from exact-forward; being the same values, every ratio is 1 and the loss 0 (the unwrapped run's)."""
+    got, head = _train("rloo", base_dir, str(tmp_path), wrapped=True, lr=0.0, log_probs="exact-forward", bf16=True,
+                       steps=2)
+    losses = [e["loss"] for e in got if "loss" in e]
+    assert len(losses) == 2 and all(loss == 0.0 for loss in losses), losses
+    assert head.sampled_calls > 0  # the policy's calls went through exact-forward
 
 
 class _LargestTensor(torch.overrides.TorchFunctionMode):
@@ -323,3 +414,67 @@ def test_exact_log_probs_refuses_what_it_cannot_score():
         head.exact_log_probs(hidden, torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(RuntimeError, match="labels outside"):
         head.exact_log_probs(hidden, torch.full((2, 5), V, dtype=torch.long))
+
+
+class _Interrupt(Exception):
+    """What stops the first run (a KeyboardInterrupt or an error in the user's code, in a test)."""
+
+
+class _StopBeforeTheOptimizer(TrainerCallback):
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        raise _Interrupt("stopped inside the step, after the forward")
+
+
+@needs_trl_fused
+@pytest.mark.parametrize("where", ["installed, inside the step", "callbacks=[...], in the forward"])
+def test_a_decision_ends_with_its_run_even_when_interrupted(tmp_path, base_dir, where):
+    """An SFT run (the sampled route) stopped by an exception, then GRPO and DPO on the same model without the
+    callback: their calls with gradients are exact (GRPO at learning rate 0 logs KL 0, nothing drawn, one warning)
+    and DPO runs (it crashed at ``outputs.mean_logits`` on the sampled route's output)."""
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    hf_midx.wrap(model, MidxConfig(num_samples=32, codebook_size=8, kmeans_iters=5))
+    head = find_head(model)
+    common = dict(max_steps=2, per_device_train_batch_size=4, learning_rate=0.0, logging_steps=1, save_strategy="no",
+                  report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    rows = torch.randint(1, V, (8, 9), generator=torch.Generator().manual_seed(0))
+    sft_args = trl.SFTConfig(output_dir=str(tmp_path / "sft"), max_length=9, **common)
+    data = datasets.Dataset.from_dict({"input_ids": rows.tolist()})
+    if where.startswith("installed"):
+        sft = trl.SFTTrainer(model=model, args=sft_args, train_dataset=data, processing_class=_tokenizer(),
+                             callbacks=[_StopBeforeTheOptimizer()])
+        MidxCallback.install(sft)
+        hook = None
+    else:
+        sft = trl.SFTTrainer(model=model, args=sft_args, train_dataset=data, processing_class=_tokenizer(),
+                             callbacks=[MidxCallback()])
+
+        def fail(module, args, output):
+            raise _Interrupt("stopped in the forward")
+
+        hook = model.model.layers[-1].register_forward_hook(fail)
+    with pytest.raises(_Interrupt):
+        sft.train()
+    assert head.binding.log_prob_decision is None and not head.step_data.scheduled
+    if hook is not None:
+        hook.remove()
+    calls_before = head.sampled_calls
+    prompts = datasets.Dataset.from_dict({"prompt": _texts(8, 5, 4)})
+    rl = dict(num_generations=2, max_completion_length=6, beta=0.1, generation_batch_size=4, temperature=0.7)
+    grpo = trl.GRPOTrainer(model=model, reward_funcs=_length_reward, processing_class=_tokenizer(),
+                           args=trl.GRPOConfig(output_dir=str(tmp_path / "grpo"), **common, **rl), train_dataset=prompts)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grpo.train()
+    assert any("nothing says its loss is the plain next-token NLL" in str(w.message) for w in caught)
+    kls = [e["kl"] for e in grpo.state.log_history if "kl" in e]
+    assert len(kls) == 2 and all(kl == 0.0 for kl in kls), kls
+    pairs = datasets.Dataset.from_dict({"prompt": _texts(4, 5, 1), "chosen": _texts(4, 6, 2),
+                                        "rejected": _texts(4, 6, 3)})
+    dpo = trl.DPOTrainer(model=model, ref_model=AutoModelForCausalLM.from_pretrained(base_dir), train_dataset=pairs,
+                         args=trl.DPOConfig(output_dir=str(tmp_path / "dpo"), max_length=32, **common),
+                         processing_class=_tokenizer())
+    dpo.train()
+    # (Not log 2: after GRPO's head, TRL's DPO head differs from the fresh reference's by 1e-5, unwrapped models too.)
+    losses = [e["loss"] for e in dpo.state.log_history if "loss" in e]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    assert head.sampled_calls == calls_before  # nothing after the interrupted run drew
