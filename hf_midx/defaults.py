@@ -17,8 +17,9 @@ KMEANS_ITERS = 20
 KMEANS_BACKENDS = ("torch", "faiss")
 KMEANS_BACKEND = "torch"
 
-#: How a MIDX sampler draws a class inside a bucket: uniformly, or by its smoothed training count.
-LAST_STAGES = ("uniform", "frequency")
+#: How a MIDX sampler draws a class inside a bucket: uniformly, by its smoothed training count, or by its residual's
+#: score under the mean query (what the codewords miss of its logit in the queries' common direction).
+LAST_STAGES = ("uniform", "frequency", "residual", "centered")
 LAST_STAGE = "uniform"
 #: The defensive mixture Q = (1 - a) Q_midx + a Q_static of the MIDX samplers: a and the static component.
 #: The unigram component needs class counts; a sampler built without them mixes in nothing (warned).

@@ -11,6 +11,12 @@ option. Two options make the fast proposal cover the softmax better (issue 9):
   count w_i = (count_i + unigram_smoothing) ** unigram_power instead of uniformly; a bucket's mass uses
   the summed weights W(k1, k2) instead of |Omega(k1, k2)|, so
   Q(i | z) = exp(s1[k1(i)] + s2[k2(i)]) w_i / sum_{k,k'} W(k,k') exp(s1[k] + s2[k']);
+* ``last_stage="residual"``: inside a bucket, draw a class proportionally to exp(mu . r_i), with r_i its
+  residual (its embedding minus its bucket's codewords) and mu the mean of the queries drawn for since the
+  last index change, so that Q(i | z) = exp(z . q~_i + mu . r_i) / Z equals the softmax at z = mu. What the
+  uniform last stage under-draws on a trained model is a bucket's frequent members: their logit's frequency
+  component lies along the queries' mean and k-means, fitting L2 distances, leaves much of it in the residual
+  (issue 73: on the paper's WikiText-2 model ...);
 * ``mix_weight=a`` with ``mix_static``: the defensive mixture Q = (1 - a) Q_midx + a Q_static, with
   Q_static the unigram table (smoothed counts) or uniform; each draw comes from the static component
   with probability a, and log Q is the logaddexp of both components (exact).
@@ -162,7 +168,7 @@ class MidxQuantizedSampler(MidxSampler):
             unigram_power=unigram_power,
         )
         super().__init__(embeddings, quantizer=self.quantizer_name, **index_options)
-        needs_counts = last_stage == "frequency" or (mix_weight > 0 and mix_static == "unigram")
+        needs_counts = last_stage in ("frequency", "centered") or (mix_weight > 0 and mix_static == "unigram")
         counts = None
         if class_counts is not None:
             counts = self._restrict(check_counts(class_counts, self.num_classes, self.device))
@@ -186,6 +192,15 @@ class MidxQuantizedSampler(MidxSampler):
         self._log_w = None
         if last_stage == "frequency":
             self._log_w = unigram_log_table(counts, unigram_smoothing, unigram_power)
+        if last_stage == "centered":
+            self._log_f = unigram_log_table(counts, unigram_smoothing, unigram_power)
+        if last_stage in ("residual", "centered"):
+            # The queries' running sum and count since the last index change (float64: a long run adds millions),
+            # and the mean query the current table was built from; none seen yet: a zero mean, i.e. uniform.
+            self._query_sum = torch.zeros(self.dim, dtype=torch.float64, device=self.device)
+            self._query_count = torch.zeros((), dtype=torch.float64, device=self.device)
+            self._query_mean = torch.zeros(self.dim, device=self.device)
+            self._log_w = torch.zeros(self.num_candidates, device=self.device)
         self._log_static = None
         if self.mix_weight > 0:
             if mix_static == "unigram":
@@ -219,17 +234,24 @@ class MidxQuantizedSampler(MidxSampler):
         class scores -inf in both."""
         idx, k = self.index, self.index.codebook_size
         bucket = idx.codes[:, 0] * k + idx.codes[:, 1]  # (V',)
+        if self.last_stage in ("residual", "centered") and embeddings is not None:
+            self._log_w = self._residual_log_weights(embeddings)
         if self._log_w is None:
-            mass = idx.bucket_counts.double().flatten()
-            log_member = -mass.log()[bucket]  # uniform inside the bucket: 1 / |Omega|
+            log_mass = idx.bucket_counts.double().flatten().log()
+            log_member = -log_mass[bucket]  # uniform inside the bucket: 1 / |Omega|
             self._cum_w = None
         else:
-            w = self._log_w.double().exp()
-            mass = torch.zeros(k * k, dtype=torch.float64, device=self.device).index_add_(0, bucket, w)
-            log_member = self._log_w.double() - mass.log()[bucket]
-            # cum_w[j] = total weight of order[:j]: a bucket's members order[lo:hi] span [cum_w[lo], cum_w[hi]).
-            self._cum_w = torch.cat([w.new_zeros(1), w[idx.order].cumsum(0)])
-        self._log_mass = mass.log().float()  # -inf for an empty bucket, which is never drawn
+            # log W(k1, k2) = logsumexp of the members' log weights (the residual ones span tens of nats).
+            log_w = self._log_w.double()
+            top = torch.full((k * k,), -math.inf, dtype=torch.float64, device=self.device)
+            top = top.scatter_reduce(0, bucket, log_w, reduce="amax")
+            total = torch.zeros_like(top).index_add_(0, bucket, (log_w - top[bucket]).exp())
+            log_mass = top + total.log()
+            log_member = log_w - log_mass[bucket]
+            # cum_w[j] = the shares of order[:j]: a bucket's members order[lo:hi] span [cum_w[lo], cum_w[hi]),
+            # one unit per bucket, so a float64 uniform resolves every bucket alike.
+            self._cum_w = torch.cat([log_w.new_zeros(1), log_member.exp()[idx.order].cumsum(0)])
+        self._log_mass = log_mass.float()  # -inf for an empty bucket, which is never drawn
         d1, d2 = idx.dim_slices(self.dim)
         c1, c2 = idx.codebooks
         codewords = torch.zeros(self.dim, 2 * k, device=self.device)  # s = z @ codewords = [z1 . c1, z2 . c2]
@@ -253,6 +275,55 @@ class MidxQuantizedSampler(MidxSampler):
             member = (member > 0).float()
         static = class_probs[:, 1] if len(logs) > 1 else None
         self._fixed_factors = proposal_factors_fixed(self._class_bucket, member, static, k * k)
+
+    def _residual_log_weights(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """(V',) float32 log weights of ``last_stage="residual"``: mu . r_i, each class's residual
+        r_i = e_i - c1[k1(i)] - c2[k2(i)] (what its bucket's codewords miss of its (V', D) float32 embedding)
+        scored by the mean query mu of the draws since the last index change (the previous mean when there were
+        none). Q(i | z) = exp(z . q~_i + mu . r_i) / Z is then exact at z = mu: the part of the softmax that the
+        quantization loses in the queries' common direction (in a trained LM, largely the classes' frequency)
+        is put back, at no cost per draw. No host sync: the mean is chosen on the device."""
+        seen = self._query_count > 0
+        mean = torch.where(seen, self._query_sum / self._query_count.clamp_min(1.0), self._query_mean.double())
+        self._query_mean = mean.float()
+        self._query_sum.zero_()
+        self._query_count.zero_()
+        if self.last_stage == "centered":
+            return self._log_f - self.index.reconstruct() @ self._query_mean
+        residual = embeddings - self.index.reconstruct()
+        return residual @ self._query_mean
+
+    def _observe(self, q: torch.Tensor) -> None:
+        """Adds the (T, D) float32 queries to the running mean of ``last_stage="residual"``: one (D,) sum."""
+        if self.last_stage in ("residual", "centered"):
+            self._query_sum += q.sum(0, dtype=torch.float64)
+            self._query_count += q.shape[0]
+
+    # -- state: the residual last stage's table and running mean under "residual.", besides the index
+    _RESIDUAL_STATE = {"log_weights": "_log_w", "query_sum": "_query_sum", "query_count": "_query_count",
+                       "query_mean": "_query_mean"}  # fmt: skip
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = super().state_dict()
+        if self.last_stage in ("residual", "centered"):
+            state.update({f"residual.{k}": getattr(self, a).contiguous() for k, a in self._RESIDUAL_STATE.items()})
+        return state
+
+    def _load_tables(self, state: dict[str, torch.Tensor]) -> None:
+        if self.last_stage in ("residual", "centered"):
+            for key, attr in self._RESIDUAL_STATE.items():
+                have, got = getattr(self, attr), state.get(f"residual.{key}")
+                if got is None or tuple(got.shape) != tuple(have.shape):
+                    raise ValueError(
+                        f"{self.name} sampler state has no residual.{key} of shape {tuple(have.shape)}: it was saved "
+                        "by a sampler with another last_stage, vocabulary or dimension."
+                    )
+        super()._load_tables(state)  # the index: checked before anything of this sampler changes
+        if self.last_stage in ("residual", "centered"):
+            for key, attr in self._RESIDUAL_STATE.items():
+                # A copy: the running sums are added to in place, and the state may be another sampler's own.
+                value = state[f"residual.{key}"].to(device=self.device, dtype=getattr(self, attr).dtype, copy=True)
+                setattr(self, attr, value)
 
     # -- the proposal
     def _scores(self, q: torch.Tensor):
@@ -289,6 +360,7 @@ class MidxQuantizedSampler(MidxSampler):
         ``fused``: the bucket draw and the generator in Triton kernels (:mod:`hf_midx.losses.kernels.draw`), the
         same draws up to float rounding from the same stream.
         """
+        self._observe(q)
         if fused:
             # Lazily: the kernels' module imports Triton.
             from ..losses.kernels.draw import midx_bucket_draw  # noqa: PLC0415

@@ -26,6 +26,8 @@ VARIANTS = {
     "rq-mix-uniform": ("midx-rq", dict(mix_weight=0.3, mix_static="uniform")),
     "rq-frequency-mix": ("midx-rq", dict(last_stage="frequency", mix_weight=0.25)),
     "pq-mix-unigram": ("midx-pq", dict(mix_weight=0.5)),
+    "rq-residual": ("midx-rq", dict(last_stage="residual")),
+    "pq-residual-mix": ("midx-pq", dict(last_stage="residual", mix_weight=0.25)),
 }
 
 
@@ -45,11 +47,16 @@ def problem(make_clustered):
 
 @pytest.fixture(scope="module")
 def variants(problem):
-    emb, _ = problem
-    return {
+    emb, queries = problem
+    out = {
         key: build_sampler(name, emb, codebook_size=K, class_counts=_counts(), seed=0, **opts)
         for key, (name, opts) in VARIANTS.items()
     }
+    for key, s in out.items():
+        if s.last_stage == "residual":  # queries seen, then a refresh: weights that are not all equal
+            s.sample(queries + 0.5, 1, generator=torch.Generator().manual_seed(0))
+            s.refresh(emb)
+    return out
 
 
 def _exclude_ids() -> torch.Tensor:
@@ -289,3 +296,50 @@ def test_row_weights_are_checked(problem):
         s.sample_shared(queries, 4, row_weights=torch.ones(3))
     with pytest.raises(ValueError, match="not all zero"):
         s.sample_shared(queries, 4, row_weights=torch.zeros(8))
+
+
+# ------------------------------------------------------------------------------------------ residual last stage
+def _residual_sampler(emb, name="midx-rq", **opts):
+    return build_sampler(name, emb, codebook_size=K, seed=0, last_stage="residual", mix_weight=0.0, **opts)
+
+
+@pytest.mark.parametrize("name", ["midx-rq", "midx-pq"])
+def test_residual_last_stage_is_the_quantized_softmax_corrected_by_the_mean_query(name, problem):
+    emb, queries = problem
+    s = _residual_sampler(emb, name)
+    uniform = build_sampler(name, emb, codebook_size=K, seed=0, mix_weight=0.0)
+    # No query seen yet: a zero mean, the uniform last stage.
+    torch.testing.assert_close(s.full_log_prob(queries), uniform.full_log_prob(queries), atol=1e-5, rtol=0)
+    seen = queries * 2.0 + torch.linspace(-1, 1, D)
+    for rows in seen.split(3):  # the mean over several calls
+        s.sample(rows, 2, generator=torch.Generator().manual_seed(1))
+    s.refresh(emb)
+    mu = seen.mean(0)
+    quantized = s.index.reconstruct()
+    want = torch.log_softmax(queries @ quantized.t() + (emb - quantized) @ mu, dim=1)
+    torch.testing.assert_close(s.full_log_prob(queries), want, atol=1e-4, rtol=0)
+    # At z = mu it is the softmax itself.
+    torch.testing.assert_close(s.full_log_prob(mu[None]), torch.log_softmax(mu[None] @ emb.t(), 1), atol=1e-4, rtol=0)
+    # A refresh with no query since keeps the mean (the same table for the same embeddings).
+    before = s.full_log_prob(queries)
+    s.refresh(emb)
+    torch.testing.assert_close(s.full_log_prob(queries), before, atol=1e-6, rtol=0)
+
+
+def test_residual_last_stage_state_round_trips_and_refuses_another_last_stage(problem):
+    emb, queries = problem
+    s = _residual_sampler(emb)
+    s.sample(queries + 1.0, 3, generator=torch.Generator().manual_seed(2))
+    s.refresh(emb)
+    s.sample(queries - 0.5, 3, generator=torch.Generator().manual_seed(3))  # a pending running sum
+    state = s.state_dict()
+    other = _residual_sampler(emb)
+    other.load_state_dict(state)
+    torch.testing.assert_close(other.full_log_prob(queries), s.full_log_prob(queries), atol=0, rtol=0)
+    for smp in (other, s):  # the pending sums travelled too: the same codebooks give the same table
+        smp.set_codebooks(tuple(c.clone() for c in s.index.codebooks), emb)
+    torch.testing.assert_close(other.full_log_prob(queries), s.full_log_prob(queries), atol=0, rtol=0)
+    uniform = build_sampler("midx-rq", emb, codebook_size=K, seed=0, mix_weight=0.0)
+    with pytest.raises(ValueError, match="residual.log_weights"):
+        other.load_state_dict(uniform.state_dict())
+    torch.testing.assert_close(other.full_log_prob(queries), s.full_log_prob(queries), atol=0, rtol=0)
