@@ -17,9 +17,10 @@ KMEANS_ITERS = 20
 KMEANS_BACKENDS = ("torch", "faiss")
 KMEANS_BACKEND = "torch"
 
-#: How a MIDX sampler draws a class inside a bucket: uniformly, or by its smoothed training count.
-LAST_STAGES = ("uniform", "frequency")
-LAST_STAGE = "uniform"
+#: How a MIDX sampler draws a class inside a bucket: uniformly, or by its smoothed training count with the buckets
+#: scored by the query ("frequency") or by the query minus the mean query ("centered": see samplers/midx.py).
+LAST_STAGES = ("uniform", "frequency", "centered")
+LAST_STAGE = "centered"
 #: The defensive mixture Q = (1 - a) Q_midx + a Q_static of the MIDX samplers: a and the static component.
 #: The unigram component needs class counts; a sampler built without them mixes in nothing (warned).
 MIX_WEIGHT = 0.5

@@ -5,17 +5,24 @@ codebooks and checkpoint state. Its two children are siblings: :class:`MidxQuant
 midx-pq: the softmax over the quantized embeddings, O(K D + K^2 + M log V) per query) and
 :class:`MidxExactSampler` (midx-exact: exactly the softmax, O(V D) per query, a yardstick). The sampler
 name names the quantizer (midx-rq: residual, midx-pq: product); midx-exact takes it as its ``quantizer``
-option. Two options make the fast proposal cover the softmax better (issue 9):
+option. These options make the fast proposal cover the softmax better (issues 9 and 73):
 
 * ``last_stage="frequency"``: inside a bucket, draw a class proportionally to its smoothed training
   count w_i = (count_i + unigram_smoothing) ** unigram_power instead of uniformly; a bucket's mass uses
   the summed weights W(k1, k2) instead of |Omega(k1, k2)|, so
   Q(i | z) = exp(s1[k1(i)] + s2[k2(i)]) w_i / sum_{k,k'} W(k,k') exp(s1[k] + s2[k']);
+* ``last_stage="centered"``: the frequency last stage with the buckets scored by the centered query z - mu,
+  mu the mean of the queries drawn for since the last index change (0 until then):
+  Q(i | z) = w_i exp((z - mu) . q~_i) / sum_j w_j exp((z - mu) . q~_j), the unigram table tilted by what
+  distinguishes this query from the average one; at z = mu it is the unigram table itself. The plain
+  frequency last stage counts a class's frequency twice (in w_i, and in z . q~_i, whose component along the
+  queries' mean is itself largely frequency in a trained LM), and the uniform one not at all inside a bucket:
+  on the paper's WikiText-2 model both under-draw the most frequent classes (issue 73);
 * ``mix_weight=a`` with ``mix_static``: the defensive mixture Q = (1 - a) Q_midx + a Q_static, with
   Q_static the unigram table (smoothed counts) or uniform; each draw comes from the static component
   with probability a, and log Q is the logaddexp of both components (exact).
 
-Both need ``class_counts`` for their frequency tables; without counts they fall back, with a warning,
+They need ``class_counts`` for their frequency tables; without counts they fall back, with a warning,
 to the uniform last stage and no mixture (a uniform component was measured to cover the softmax worse
 than MIDX alone: ESS 0.06 vs 0.12 of M, on the recipe's WikiText-2 model after 400 steps).
 """
@@ -127,7 +134,7 @@ class MidxQuantizedSampler(MidxSampler):
     i.e. softmax over the quantized embeddings q_i - residual_i. A draw takes a bucket (k1, k2) with
     probability P1(k1) P2(k2 | k1), computed as one categorical over the K*K buckets whose logits
     are z1.c1[k1] + z2.c2[k2] + log|Omega(k1,k2)| (empty buckets get -inf and are never drawn),
-    then a class from the bucket (uniformly, or by frequency with ``last_stage="frequency"``); with
+    then a class from the bucket (uniformly, or by frequency with ``last_stage="frequency"`` or ``"centered"``); with
     ``mix_weight`` > 0 the defensive mixture of the module docstring. Per query:
     O(K D + K^2 + M log V); nothing of size V.
     """
@@ -162,12 +169,12 @@ class MidxQuantizedSampler(MidxSampler):
             unigram_power=unigram_power,
         )
         super().__init__(embeddings, quantizer=self.quantizer_name, **index_options)
-        needs_counts = last_stage == "frequency" or (mix_weight > 0 and mix_static == "unigram")
+        needs_counts = last_stage in ("frequency", "centered") or (mix_weight > 0 and mix_static == "unigram")
         counts = None
         if class_counts is not None:
             counts = self._restrict(check_counts(class_counts, self.num_classes, self.device))
         elif needs_counts:
-            wanted = ["last_stage='frequency'"] if last_stage == "frequency" else []
+            wanted = [f"last_stage={last_stage!r}"] if last_stage in ("frequency", "centered") else []
             wanted += ["mix_static='unigram'"] if mix_weight > 0 and mix_static == "unigram" else []
             warnings.warn(
                 f"{self.name}: {' and '.join(wanted)} {'needs' if len(wanted) == 1 else 'need'} class_counts "
@@ -186,6 +193,13 @@ class MidxQuantizedSampler(MidxSampler):
         self._log_w = None
         if last_stage == "frequency":
             self._log_w = unigram_log_table(counts, unigram_smoothing, unigram_power)
+        if last_stage == "centered":
+            self._log_f = unigram_log_table(counts, unigram_smoothing, unigram_power)
+            # The queries' running sum and count since the last index change (float64: a run adds millions) and
+            # the mean that the current tables use (none seen yet: 0, the frequency last stage).
+            self._query_sum = torch.zeros(self.dim, dtype=torch.float64, device=self.device)
+            self._query_count = torch.zeros((), dtype=torch.float64, device=self.device)
+            self._query_mean = torch.zeros(self.dim, device=self.device)
         self._log_static = None
         if self.mix_weight > 0:
             if mix_static == "unigram":
@@ -208,9 +222,9 @@ class MidxQuantizedSampler(MidxSampler):
         if not (is_number(mix_weight) and 0.0 <= mix_weight < 1.0):
             raise ValueError(f"mix_weight must be a number in [0, 1), got {mix_weight!r}.")
         check_unigram_options(options)
-        frequency = options.get("last_stage") == "frequency"
-        if frequency and not options.get("unigram_smoothing", defaults.UNIGRAM_SMOOTHING) > 0:
-            raise ValueError("last_stage='frequency' needs unigram_smoothing > 0 so that every class stays drawable.")
+        stage = options.get("last_stage")
+        if stage in ("frequency", "centered") and not options.get("unigram_smoothing", defaults.UNIGRAM_SMOOTHING) > 0:
+            raise ValueError(f"last_stage={stage!r} needs unigram_smoothing > 0 so that every class stays drawable.")
 
     def _after_index_change(self, embeddings: torch.Tensor | None) -> None:
         """The tables a step reads, which change only with the index: the (D, 2K) codebooks as one matrix, the
@@ -219,17 +233,26 @@ class MidxQuantizedSampler(MidxSampler):
         class scores -inf in both."""
         idx, k = self.index, self.index.codebook_size
         bucket = idx.codes[:, 0] * k + idx.codes[:, 1]  # (V',)
+        if self.last_stage == "centered":
+            if embeddings is not None:  # a rebuild or new codebooks, not a checkpoint load
+                self._adopt_query_mean()
+            self._log_w = self._centered_log_weights()
         if self._log_w is None:
-            mass = idx.bucket_counts.double().flatten()
-            log_member = -mass.log()[bucket]  # uniform inside the bucket: 1 / |Omega|
+            log_mass = idx.bucket_counts.double().flatten().log()
+            log_member = -log_mass[bucket]  # uniform inside the bucket: 1 / |Omega|
             self._cum_w = None
         else:
-            w = self._log_w.double().exp()
-            mass = torch.zeros(k * k, dtype=torch.float64, device=self.device).index_add_(0, bucket, w)
-            log_member = self._log_w.double() - mass.log()[bucket]
-            # cum_w[j] = total weight of order[:j]: a bucket's members order[lo:hi] span [cum_w[lo], cum_w[hi]).
-            self._cum_w = torch.cat([w.new_zeros(1), w[idx.order].cumsum(0)])
-        self._log_mass = mass.log().float()  # -inf for an empty bucket, which is never drawn
+            # log W(k1, k2) = logsumexp of the members' log weights (the centered ones span tens of nats).
+            log_w = self._log_w.double()
+            top = torch.full((k * k,), -math.inf, dtype=torch.float64, device=self.device)
+            top = top.scatter_reduce(0, bucket, log_w, reduce="amax")
+            total = torch.zeros_like(top).index_add_(0, bucket, (log_w - top[bucket]).exp())
+            log_mass = top + total.log()
+            log_member = log_w - log_mass[bucket]
+            # cum_w[j] = the shares of order[:j]: a bucket's members order[lo:hi] span [cum_w[lo], cum_w[hi]),
+            # one unit per bucket, so a float64 uniform resolves every bucket alike.
+            self._cum_w = torch.cat([log_w.new_zeros(1), log_member.exp()[idx.order].cumsum(0)])
+        self._log_mass = log_mass.float()  # -inf for an empty bucket, which is never drawn
         d1, d2 = idx.dim_slices(self.dim)
         c1, c2 = idx.codebooks
         codewords = torch.zeros(self.dim, 2 * k, device=self.device)  # s = z @ codewords = [z1 . c1, z2 . c2]
@@ -253,6 +276,57 @@ class MidxQuantizedSampler(MidxSampler):
             member = (member > 0).float()
         static = class_probs[:, 1] if len(logs) > 1 else None
         self._fixed_factors = proposal_factors_fixed(self._class_bucket, member, static, k * k)
+
+    def _adopt_query_mean(self) -> None:
+        """``last_stage="centered"``: the mean of the queries drawn for since the last index change becomes the
+        tables' mu (the previous mu when there were none); the running sums restart. No host sync."""
+        seen = self._query_count > 0
+        mean = torch.where(seen, self._query_sum / self._query_count.clamp_min(1.0), self._query_mean.double())
+        self._query_mean = mean.float()
+        self._query_sum.zero_()
+        self._query_count.zero_()
+
+    def _centered_log_weights(self) -> torch.Tensor:
+        """(V',) float32 log w_i - mu . q~_i of ``last_stage="centered"``: the smoothed count's log minus the
+        mean query's score of the class's bucket, (c1[k1] + c2[k2]) . mu, from the (K,) scores of each codebook."""
+        d1, d2 = self.index.dim_slices(self.dim)
+        c1, c2 = self.index.codebooks
+        mu = self._query_mean
+        codes = self.index.codes
+        return self._log_f - ((c1 @ mu[d1])[codes[:, 0]] + (c2 @ mu[d2])[codes[:, 1]])
+
+    def _observe(self, q: torch.Tensor) -> None:
+        """Adds the (T, D) float32 queries to the running mean of ``last_stage="centered"``: one (D,) sum, in
+        float32 (no float64 pass over T D on GPUs that run it slowly), accumulated in float64 across steps. Every
+        row counts, an ignored token's too (the draws do not know the labels): a mean over what the head sees."""
+        if self.last_stage == "centered":
+            self._query_sum.add_(q.sum(0))  # float32 into float64, in place: no copy
+            self._query_count += q.shape[0]
+
+    # -- state: the centered last stage's means under "centered.", besides the index (its table is recomputed)
+    _CENTERED_STATE = {"query_sum": "_query_sum", "query_count": "_query_count", "query_mean": "_query_mean"}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = super().state_dict()
+        if self.last_stage == "centered":
+            state.update({f"centered.{k}": getattr(self, a).contiguous() for k, a in self._CENTERED_STATE.items()})
+        return state
+
+    def _load_tables(self, state: dict[str, torch.Tensor]) -> None:
+        if self.last_stage == "centered":
+            for key, attr in self._CENTERED_STATE.items():
+                have, got = getattr(self, attr), state.get(f"centered.{key}")
+                if got is None or tuple(got.shape) != tuple(have.shape):
+                    raise ValueError(
+                        f"{self.name} sampler state has no centered.{key} of shape {tuple(have.shape)}: it was saved "
+                        "by a sampler with another last_stage or dimension."
+                    )
+        super()._load_tables(state)  # the index: checked before anything of this sampler changes
+        if self.last_stage == "centered":
+            for key, attr in self._CENTERED_STATE.items():
+                # A copy: the running sums are added to in place, and the state may be another sampler's own.
+                value = state[f"centered.{key}"].to(device=self.device, dtype=getattr(self, attr).dtype, copy=True)
+                setattr(self, attr, value)
 
     # -- the proposal
     def _scores(self, q: torch.Tensor):
@@ -289,6 +363,7 @@ class MidxQuantizedSampler(MidxSampler):
         ``fused``: the bucket draw and the generator in Triton kernels (:mod:`hf_midx.losses.kernels.draw`), the
         same draws up to float rounding from the same stream.
         """
+        self._observe(q)
         if fused:
             # Lazily: the kernels' module imports Triton.
             from ..losses.kernels.draw import midx_bucket_draw  # noqa: PLC0415

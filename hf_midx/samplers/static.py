@@ -74,11 +74,13 @@ class UnigramSampler(_TableSampler):
     """Q(i) proportional to (count_i + smoothing) ** power, from training-token frequencies.
 
     ``smoothing`` (default 1, add-one) keeps every class drawable, so the estimator of the partition
-    function stays unbiased; ``power`` = 1 is the paper's unigram, 0.75 the word2vec distortion.
+    function stays unbiased; ``power`` = 1 is the count-proportional unigram, 0.75 the word2vec distortion.
+    ``unigram_weighting="log-count"`` weighs by log(1 + count + smoothing) ** power instead: with smoothing 0,
+    the paper's code's log(count + 1), a flatter table than the counts.
     """
 
     name = "unigram"
-    options = ("unigram_smoothing", "unigram_power")
+    options = ("unigram_smoothing", "unigram_power", "unigram_weighting")
 
     def __init__(
         self,
@@ -87,14 +89,17 @@ class UnigramSampler(_TableSampler):
         class_counts=None,
         unigram_smoothing: float = defaults.UNIGRAM_SMOOTHING,
         unigram_power: float = defaults.UNIGRAM_POWER,
+        unigram_weighting: str = "count",
         seed: int = defaults.SEED,
         exclude=None,
         **_common,
     ) -> None:
-        self.check_options(unigram_smoothing=unigram_smoothing, unigram_power=unigram_power)
+        self.check_options(
+            unigram_smoothing=unigram_smoothing, unigram_power=unigram_power, unigram_weighting=unigram_weighting
+        )
         super().__init__(embeddings, seed=seed, exclude=exclude)
         counts = self._restrict(check_counts(class_counts, self.num_classes, self.device))
-        self._set_table(unigram_log_table(counts, unigram_smoothing, unigram_power))
+        self._set_table(unigram_log_table(counts, unigram_smoothing, unigram_power, unigram_weighting))
 
     @classmethod
     def check_options(cls, **options) -> None:

@@ -451,7 +451,10 @@ _NO_HEAD, _NO_MIX, _MIX = {"exact_head": 0}, {"mix_weight": 0.0}, {"mix_weight":
 #: "midx-rq-nomix" (earlier results' "midx-rq-head2k-nomix"); written out, so that a later default leaves a name's
 #: meaning alone. compare_samplers passes them as recipe flags (variant_flags); others build them (build_variant).
 VARIANTS = {
-    "midx-rq-paper": ("midx-rq", {"estimator": "exact-positive", **_NO_MIX, **_NO_HEAD}),  # midx-rq before issue 9
+    # midx-rq before issue 9: the paper's estimator as its text writes it, MIDX's uniform last stage alone.
+    "midx-rq-paper": ("midx-rq", {"estimator": "exact-positive", "last_stage": "uniform", **_NO_MIX, **_NO_HEAD}),
+    # The paper's MIDX (uniform inside a bucket) beside ours (issue 73's centered last stage, the default).
+    "midx-rq-uniform": ("midx-rq", {"last_stage": "uniform"}), "midx-pq-uniform": ("midx-pq", {"last_stage": "uniform"}),
     "midx-rq-nomix": ("midx-rq", {**_NO_MIX, "exact_head": 2048}), "midx-rq-mix": ("midx-rq", {**_MIX, **_NO_HEAD}),
     "midx-rq-mix-uniform": ("midx-rq", {**_MIX, "mix_static": "uniform", **_NO_HEAD}),
     "midx-rq-frequency": ("midx-rq", {"last_stage": "frequency", **_NO_MIX, **_NO_HEAD}),
@@ -463,6 +466,8 @@ VARIANTS = {
     "midx-rq-head1k": ("midx-rq", {"exact_head": 1024, **_MIX}),
     "midx-rq-head4k": ("midx-rq", {"exact_head": 4096, **_MIX}), "unigram-head2k": ("unigram", {"exact_head": 2048}),
     "unigram-exact-positive": ("unigram", {"estimator": "exact-positive"}),
+    # The paper code's unigram: proportional to log(count + 1), flatter than our count-proportional one.
+    "unigram-logcount": ("unigram", {"sampler_options": {"unigram_weighting": "log-count", "unigram_smoothing": 0.0}}),
     "midx-rq-learned": ("midx-rq", {"codebooks": "learned"}),
     "midx-rq-shared": ("midx-rq", {"negatives": "shared"}),  # the pool size is the benchmark's --pool_size
 }
@@ -478,7 +483,8 @@ def proposal_variants() -> list[str]:
 def variant_flags(name: str, pool_size: int) -> list[str]:
     """The recipe's flags for a variant: ``--<field> <value>`` for each of its MidxConfig fields."""
     fields = VARIANTS[name][1]
-    flags = [arg for key, value in fields.items() for arg in (f"--{key}", str(value))]
+    flags = [arg for key, value in fields.items()
+             for arg in (f"--{key}", json.dumps(value) if isinstance(value, dict) else str(value))]  # fmt: skip
     return flags + (["--num_samples", str(pool_size)] if fields.get("negatives") == "shared" else [])
 
 

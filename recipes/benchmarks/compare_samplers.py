@@ -24,7 +24,8 @@ Seeds: ``--seeds N`` repeats every equal-epochs run with seeds ``--seed`` .. ``-
 and sample standard deviation of the exact test perplexity (the equal-wall-clock runs and the plotted curves use the
 first seed).
 
-Profiles (``--profile``) fix the settings of issue 9's quality benchmark: ``cpu-quick`` (400 steps of the paper's
+Profile ``paper`` (issue 73) is the paper's own setting as its code runs it (results/paper_setting/README.md: each
+point, matched or not). Profiles ``cpu-quick`` and ``gpu-3epochs`` fix the settings of issue 9's quality benchmark: ``cpu-quick`` (400 steps of the paper's
 model, the issue's acceptance run, at equal steps; equal wall-clock off) and ``gpu-3epochs`` (3 epochs, 3 seeds, equal
 wall-clock on). Both compare the full softmax, the static unigram proposal, midx-rq as it was before issue 9
 (``midx-rq-paper``: exact positive, no mixture), the current default ``midx-rq`` and each new variant. (The
@@ -65,12 +66,30 @@ PAPER_PPL = {
     "full": 180.8331, "uniform": 259.4951, "unigram": 218.4348, "lsh": 221.4062, "sphere": 273.8121, "rff": 278.9223,
     "midx-pq": 199.7429, "midx-rq": 180.9055,
     "midx-rq-paper": 180.9055,  # the paper's midx-rq itself: exact positive, no mixture
+    "midx-pq-uniform": 199.7429, "midx-rq-uniform": 180.9055,  # its MIDX (uniform inside a bucket) in its own setting
+    "unigram-logcount": 218.4348,  # its code's unigram (log(count + 1))
 }  # fmt: skip
 #: --profile presets (issue 9): the rows and the settings of the quality benchmark.
 PROFILE_SAMPLERS = ("full", "unigram", "midx-rq-paper", "midx-rq", "midx-rq-nomix", "midx-rq-frequency",
                     "midx-rq-frequency-mix", "midx-rq-head2k")  # fmt: skip
 PROFILES = {"cpu-quick": dict(max_steps=400, seeds=1, wall_clock="off"),
             "gpu-3epochs": dict(epochs=3.0, seeds=3, wall_clock="on")}
+#: --profile paper (issue 73): the paper's own setting, point by point as its code runs it (results/paper_setting/
+#: README.md lists each point, matched or not): pure sampling (no exact head, no mixture, the sampled tail
+#: gradient), the corrected label (its loss_func.py), batch 256, Adam at a constant 1e-3 with no weight decay, no
+#: warm-up and no clipping, dropout 0.5, 100 k-means iterations rebuilt at each epoch start, and the best epoch by
+#: validation perplexity (what its early stopping reports).
+PAPER_SAMPLERS = ("full", "uniform", "unigram", "unigram-logcount", "lsh", "sphere", "rff", "midx-pq-uniform",
+                  "midx-rq-uniform", "midx-rq", "midx-rq-learned")  # fmt: skip
+PAPER_RECIPE_ARGS = (
+    "--exact_head 0 --mix_weight 0 --tail_gradient sampled --estimator corrected-positive --kmeans_iters 100 "
+    "--refresh_every_epoch true --learning_rate 1e-3 --lr_scheduler_type constant --warmup_steps 0 "
+    "--weight_decay 0 --max_grad_norm 0 --config_overrides resid_pdrop=0.5,embd_pdrop=0.5,attn_pdrop=0.5 "
+    "--eval_strategy epoch --save_strategy epoch --save_total_limit 1 --load_best_model_at_end true "
+    "--metric_for_best_model eval_loss"
+)
+PROFILES["paper"] = dict(epochs=3.0, seeds=1, wall_clock="off", batch_size=256, refreshes_per_epoch=0,
+                         samplers=PAPER_SAMPLERS, recipe_args=PAPER_RECIPE_ARGS)  # fmt: skip
 KEEP_MODELS = ("full", "midx-rq")  # their weights stay (e.g. for bench_kl.py --model_dir); others are deleted
 QUICK_OVERRIDES = "n_embd=32,n_layer=1,n_head=2,n_inner=64"
 SMOKE_OVERRIDES = "n_embd=16,n_layer=1,n_head=2,n_inner=32"
@@ -89,8 +108,11 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=int, default=1,
                    help="seeds per equal-epochs run (--seed, --seed + 1, ...): mean and sd of the test perplexity")  # fmt: skip
     p.add_argument("--profile", default=None, choices=sorted(PROFILES),
-                   help="issue 9's presets: 'cpu-quick' (400 steps, the acceptance run) or 'gpu-3epochs' (3 epochs, 3 seeds); "
-                   "they set --samplers (unless given), --max_steps/--epochs, --seeds and --wall_clock")  # fmt: skip
+                   help="presets: 'cpu-quick' (400 steps, issue 9's acceptance run), 'gpu-3epochs' (3 epochs, 3 seeds), "
+                   "'paper' (the paper's own setting, issue 73: its batch, optimizer, dropout, rebuilds, pure sampling, "
+                   "the best epoch; 3 epochs unless --epochs); they set --samplers (unless given), --max_steps/--epochs, "
+                   "--seeds and --wall_clock, and 'paper' also --batch_size, --refreshes_per_epoch and recipe flags "
+                   "put before --recipe_args")  # fmt: skip
     p.add_argument("--batch_size", type=int, default=None, help="per-device train batch (default 32; quick 8)")
     p.add_argument("--evals_per_run", type=int, default=None, help="validation points per run (default 4; quick 2)")
     p.add_argument("--refreshes_per_epoch", type=int, default=None,
@@ -114,9 +136,11 @@ def parse_args(argv=None):
         given = set(argv if argv is not None else sys.argv[1:])
         preset = PROFILES[args.profile]
         if "--samplers" not in given:
-            args.samplers = list(PROFILE_SAMPLERS)
+            args.samplers = list(preset.get("samplers", PROFILE_SAMPLERS))
         for key, value in preset.items():
-            if f"--{key}" not in given:
+            if key == "recipe_args":  # the profile's flags first: the user's own, after them, win
+                args.recipe_args = f"{value} {args.recipe_args}".strip()
+            elif key != "samplers" and f"--{key}" not in given:
                 setattr(args, key, value)
     return args
 
@@ -136,7 +160,24 @@ def recipe_argv(args, files, out_dir: Path, sampler: str, *, epochs=None, max_st
         argv += [*_quick_argv(args), "--per_device_eval_batch_size", "16", "--logging_first_step", "false"]
     # The variant's flags come last, so that they win over the shared ones.
     variant = common.variant_flags(sampler, args.pool_size) if sampler in common.VARIANTS else []
-    return argv + variant + shlex.split(args.recipe_args)
+    return _merge_config_overrides(argv + variant + shlex.split(args.recipe_args))
+
+
+def _merge_config_overrides(argv: list[str]) -> list[str]:
+    """One ``--config_overrides`` joining every one given (--quick's model and a profile's dropout), later
+    values winning: the recipe would keep only the last flag."""
+    values = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config_overrides"]
+    if len(values) < 2:
+        return argv
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--config_overrides":
+            skip = True
+        else:
+            out.append(a)
+    return [*out, "--config_overrides", ",".join(values)]
 
 
 def _quick_argv(args) -> list[str]:

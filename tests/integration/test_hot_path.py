@@ -84,9 +84,10 @@ def _count_step(model, batch) -> collections.Counter:
         dict(sampler="midx-rq", negatives="shared", num_samples=64, exact_head=64),
         dict(sampler="midx-rq", exact_head=64, tail_gradient="expected"),
         dict(sampler="midx-rq", exact_head=64, last_stage="frequency", tail_gradient="expected"),
+        dict(sampler="midx-rq", exact_head=0, mix_weight=0.0, last_stage="centered"),
     ],
     ids=["midx-rq", "midx-rq-shared", "midx-pq-corrected", "unigram", "exact-head-frequency", "exact-head-shared",
-         "expected-tail", "expected-tail-frequency"],
+         "expected-tail", "expected-tail-frequency", "centered"],
 )
 def test_sampled_training_step_adds_no_host_sync(model_type, options):
     base = tiny_model(model_type)

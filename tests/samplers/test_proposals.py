@@ -26,6 +26,8 @@ VARIANTS = {
     "rq-mix-uniform": ("midx-rq", dict(mix_weight=0.3, mix_static="uniform")),
     "rq-frequency-mix": ("midx-rq", dict(last_stage="frequency", mix_weight=0.25)),
     "pq-mix-unigram": ("midx-pq", dict(mix_weight=0.5)),
+    "rq-centered": ("midx-rq", dict(last_stage="centered")),
+    "pq-centered-mix": ("midx-pq", dict(last_stage="centered", mix_weight=0.25, unigram_power=0.75)),
 }
 
 
@@ -45,11 +47,16 @@ def problem(make_clustered):
 
 @pytest.fixture(scope="module")
 def variants(problem):
-    emb, _ = problem
-    return {
+    emb, queries = problem
+    out = {
         key: build_sampler(name, emb, codebook_size=K, class_counts=_counts(), seed=0, **opts)
         for key, (name, opts) in VARIANTS.items()
     }
+    for key, s in out.items():
+        if s.last_stage == "centered":  # queries seen, then a refresh: a mean that is not 0
+            s.sample(queries + 0.5, 1, generator=torch.Generator().manual_seed(0))
+            s.refresh(emb)
+    return out
 
 
 def _exclude_ids() -> torch.Tensor:
@@ -289,3 +296,65 @@ def test_row_weights_are_checked(problem):
         s.sample_shared(queries, 4, row_weights=torch.ones(3))
     with pytest.raises(ValueError, match="not all zero"):
         s.sample_shared(queries, 4, row_weights=torch.zeros(8))
+
+
+# ------------------------------------------------------------------------------------------ centered last stage
+def _centered_sampler(emb, name="midx-rq", **opts):
+    return build_sampler(name, emb, codebook_size=K, seed=0, last_stage="centered", mix_weight=0.0,
+                         class_counts=_counts(), **opts)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["midx-rq", "midx-pq"])
+def test_centered_last_stage_is_the_unigram_table_tilted_by_the_centered_query(name, problem):
+    emb, queries = problem
+    s = _centered_sampler(emb, name)
+    frequency = build_sampler(name, emb, codebook_size=K, seed=0, mix_weight=0.0, last_stage="frequency",
+                              class_counts=_counts())  # fmt: skip
+    # No query seen yet: a zero mean, the frequency last stage.
+    torch.testing.assert_close(s.full_log_prob(queries), frequency.full_log_prob(queries), atol=1e-5, rtol=0)
+    seen = queries * 2.0 + torch.linspace(-1, 1, D)
+    for rows in seen.split(3):  # the mean over several calls
+        s.sample(rows, 2, generator=torch.Generator().manual_seed(1))
+    s.refresh(emb)
+    mu = seen.mean(0)
+    log_w = torch.log(_counts() + 1.0).float()
+    want = torch.log_softmax((queries - mu) @ s.index.reconstruct().t() + log_w, dim=1)
+    torch.testing.assert_close(s.full_log_prob(queries), want, atol=1e-4, rtol=0)
+    # At z = mu it is the unigram table itself.
+    torch.testing.assert_close(s.full_log_prob(mu[None])[0], torch.log_softmax(log_w, 0), atol=1e-4, rtol=0)
+    # A refresh with no query since keeps the mean (the same table for the same codebooks).
+    before = s.full_log_prob(queries)
+    s.set_codebooks(tuple(c.clone() for c in s.index.codebooks), emb)
+    torch.testing.assert_close(s.full_log_prob(queries), before, atol=1e-6, rtol=0)
+
+
+def test_centered_last_stage_state_round_trips_and_refuses_another_last_stage(problem):
+    emb, queries = problem
+    s = _centered_sampler(emb)
+    s.sample(queries + 1.0, 3, generator=torch.Generator().manual_seed(2))
+    s.refresh(emb)
+    s.sample(queries - 0.5, 3, generator=torch.Generator().manual_seed(3))  # a pending running sum
+    state = s.state_dict()
+    other = _centered_sampler(emb)
+    other.load_state_dict(state)
+    torch.testing.assert_close(other.full_log_prob(queries), s.full_log_prob(queries), atol=0, rtol=0)
+    for smp in (other, s):  # the pending sums travelled too: the same codebooks give the same table
+        smp.set_codebooks(tuple(c.clone() for c in s.index.codebooks), emb)
+    torch.testing.assert_close(other.full_log_prob(queries), s.full_log_prob(queries), atol=0, rtol=0)
+    frequency = build_sampler("midx-rq", emb, codebook_size=K, seed=0, mix_weight=0.0, last_stage="frequency",
+                              class_counts=_counts())  # fmt: skip
+    with pytest.raises(ValueError, match="centered.query_sum"):
+        other.load_state_dict(frequency.state_dict())
+    torch.testing.assert_close(other.full_log_prob(queries), s.full_log_prob(queries), atol=0, rtol=0)
+
+
+def test_unigram_log_count_weighting_is_the_papers_table():
+    emb = torch.randn(5, 4)
+    counts = torch.tensor([1.0, 2.0, 9.0, 0.0, 40.0])
+    s = build_sampler("unigram", emb, class_counts=counts, unigram_weighting="log-count", unigram_smoothing=1.0)
+    want = torch.log1p(counts + 1.0) / torch.log1p(counts + 1.0).sum()
+    torch.testing.assert_close(s.full_log_prob(torch.zeros(1, 4))[0].exp(), want.float(), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="count 0 no weight"):
+        build_sampler("unigram", emb, class_counts=counts, unigram_weighting="log-count", unigram_smoothing=0.0)
+    with pytest.raises(ValueError, match="unigram_weighting must be one of"):
+        build_sampler("unigram", emb, class_counts=counts, unigram_weighting="log")

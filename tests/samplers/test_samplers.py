@@ -139,7 +139,7 @@ def test_midx_log_prob_is_eq_midx_uni(name, samplers, problem):
     Computed here from the index's codebooks and codes alone, in float64; the paper's MIDX alone (no mixture).
     """
     emb, queries = problem
-    s = _build(name, emb, mix_weight=0.0)
+    s = _build(name, emb, mix_weight=0.0, last_stage="uniform")
     c1, c2 = (c.double() for c in s.index.codebooks)
     codes = s.index.codes
     if name == "midx-rq":
