@@ -215,11 +215,9 @@ class MidxConfig:
     last_stage: str = field(
         default=defaults.LAST_STAGE,
         metadata={
-            "help": f"How midx-rq / midx-pq draw a class inside a bucket; one of {LAST_STAGES}. 'frequency': "
-            "proportionally to its smoothed training count (the bucket mass uses the summed counts), needs "
-            "class_counts. 'residual': proportionally to exp(mu . r), r the part of the class's embedding its "
-            "bucket's codewords miss and mu the mean query since the last refresh (uniform until the first). "
-            "Ignored by other samplers."
+            "help": f"How midx-rq / midx-pq draw; one of {LAST_STAGES}. 'centered': a bucket by the query minus "
+            "the mean query, a class in it by its smoothed count; 'frequency': by the query, then by count; "
+            "'uniform' (the paper's): uniformly inside the bucket. The first two need class_counts."
         },
     )
     seed: int = field(default=defaults.SEED, metadata={"help": "Seed of the sampler's generator and of k-means."})
@@ -314,22 +312,7 @@ class MidxConfig:
                 )
         check_sampler_options(self.sampler, self.sampler_options)
         self._check_log_probs()
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}.")
-        if self.exact_head != "auto":
-            self._check_int("exact_head", 0, auto=True)
-        if self.estimator == "exact-positive" and self.exact_head == 0:
-            # The paper's estimator as its text writes it; its code subtracts log q from the label too, as
-            # 'corrected-positive' does. Alone (no exact head) it trained to test perplexity 586 against 227 for
-            # 'corrected-positive' (midx-rq, WikiText-2, M = 20, K = 32, one epoch; issue 73).
-            warnings.warn(
-                "estimator='exact-positive' with exact_head=0 is the paper's estimator as its text writes it, not "
-                "as its code runs it: the label's logit is left uncorrected by its log q, which trains markedly "
-                "worse without an exact head. Use the default estimator='corrected-positive' (the paper's code), "
-                "or keep an exact head.",
-                UserWarning,
-                stacklevel=3,
-            )
+        self._check_estimator()
         if self.kernels not in KERNEL_MODES:
             raise ValueError(
                 f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}; 'auto' takes the fused kernels "
@@ -353,6 +336,25 @@ class MidxConfig:
         if self.label_smoothing >= 1:
             raise ValueError(
                 f"label_smoothing must be in [0, 1) (e.g. 0.1; 0 turns it off), got {self.label_smoothing}."
+            )
+
+    def _check_estimator(self) -> None:
+        """estimator one of ESTIMATORS, exact_head "auto" or an int >= 0; the paper's text's estimator alone warned."""
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}.")
+        if self.exact_head != "auto":
+            self._check_int("exact_head", 0, auto=True)
+        if self.estimator == "exact-positive" and self.exact_head == 0:
+            # The paper's estimator as its text writes it; its code subtracts log q from the label too, as
+            # 'corrected-positive' does. Alone it trained midx-rq to test perplexity 586 against 269 for
+            # 'corrected-positive' (WikiText-2, M = 20, K = 32, one epoch, the same rebuilds; issue 73).
+            warnings.warn(
+                "estimator='exact-positive' with exact_head=0 is the paper's estimator as its text writes it, not "
+                "as its code runs it: the label's logit is left uncorrected by its log q, which trains markedly "
+                "worse without an exact head. Use the default estimator='corrected-positive' (the paper's code), "
+                "or keep an exact head.",
+                UserWarning,
+                stacklevel=4,  # the caller of MidxConfig(...)
             )
 
     def _check_log_probs(self) -> None:

@@ -352,3 +352,15 @@ def test_log_probs_is_checked_and_exact_forward_needs_per_query_negatives():
     with pytest.raises(ValueError, match="negatives='per-query'"):
         MidxConfig(log_probs="exact-forward", negatives="shared")
     assert MidxConfig(log_probs="exact-forward").num_samples == 20
+
+
+def test_the_papers_text_estimator_without_an_exact_head_warns_once_at_the_caller():
+    """Issue 73: estimator="exact-positive" with exact_head=0 (the paper's text, not its code) trains markedly worse:
+    warned, naming the fix, at the line that builds the config; with an exact head (or the default estimator) not."""
+    with pytest.warns(UserWarning, match="corrected-positive") as caught:
+        MidxConfig(estimator="exact-positive", exact_head=0)
+    assert len(caught) == 1 and caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MidxConfig(estimator="exact-positive", exact_head=64)
+        MidxConfig(exact_head=0)

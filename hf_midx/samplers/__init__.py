@@ -1,6 +1,6 @@
 """Proposal distributions Q(i | z) for sampled softmax, one interface for all of the paper's samplers.
 
-One module per family: :mod:`.base` (the interface), :mod:`.midx` (midx-rq, midx-pq, midx-exact),
+One module per family: :mod:`.base` (the interface), :mod:`.midx` (midx-rq, midx-pq), :mod:`.midx_exact`,
 :mod:`.static` (uniform, unigram, log-uniform), :mod:`.kernel` (sphere, rff) and :mod:`.lsh`. Importing
 this package registers all of them in :data:`SAMPLERS` (:mod:`hf_midx.registry`, with the option tables
 and :func:`build_sampler`).
@@ -19,7 +19,8 @@ from ..registry import (
 )
 from .base import Sampler
 from .counts import check_counts
-from .midx import MidxExactSampler, MidxPQSampler, MidxQuantizedSampler, MidxRQSampler, MidxSampler  # noqa: I001
+from .midx import MidxPQSampler, MidxQuantizedSampler, MidxRQSampler, MidxSampler  # noqa: I001
+from .midx_exact import MidxExactSampler
 from .static import LogUniformSampler, UniformSampler, UnigramSampler
 from .kernel import RFFSampler, SphereSampler  # (registration order: MIDX, static, kernel, LSH)
 from .lsh import LSHSampler

@@ -454,7 +454,8 @@ VARIANTS = {
     # midx-rq before issue 9: the paper's estimator as its text writes it, MIDX's uniform last stage alone.
     "midx-rq-paper": ("midx-rq", {"estimator": "exact-positive", "last_stage": "uniform", **_NO_MIX, **_NO_HEAD}),
     # The paper's MIDX (uniform inside a bucket) beside ours (issue 73's centered last stage, the default).
-    "midx-rq-uniform": ("midx-rq", {"last_stage": "uniform"}), "midx-pq-uniform": ("midx-pq", {"last_stage": "uniform"}),
+    "midx-rq-uniform": ("midx-rq", {"last_stage": "uniform", **_NO_MIX, **_NO_HEAD}),
+    "midx-pq-uniform": ("midx-pq", {"last_stage": "uniform", **_NO_MIX, **_NO_HEAD}),
     "midx-rq-nomix": ("midx-rq", {**_NO_MIX, "exact_head": 2048}), "midx-rq-mix": ("midx-rq", {**_MIX, **_NO_HEAD}),
     "midx-rq-mix-uniform": ("midx-rq", {**_MIX, "mix_static": "uniform", **_NO_HEAD}),
     "midx-rq-frequency": ("midx-rq", {"last_stage": "frequency", **_NO_MIX, **_NO_HEAD}),
@@ -467,7 +468,8 @@ VARIANTS = {
     "midx-rq-head4k": ("midx-rq", {"exact_head": 4096, **_MIX}), "unigram-head2k": ("unigram", {"exact_head": 2048}),
     "unigram-exact-positive": ("unigram", {"estimator": "exact-positive"}),
     # The paper code's unigram: proportional to log(count + 1), flatter than our count-proportional one.
-    "unigram-logcount": ("unigram", {"sampler_options": {"unigram_weighting": "log-count", "unigram_smoothing": 0.0}}),
+    "unigram-logcount": ("unigram", {"sampler_options": {"unigram_weighting": "log-count", "unigram_smoothing": 0.0},
+                                     **_NO_HEAD}),
     "midx-rq-learned": ("midx-rq", {"codebooks": "learned"}),
     "midx-rq-shared": ("midx-rq", {"negatives": "shared"}),  # the pool size is the benchmark's --pool_size
 }
