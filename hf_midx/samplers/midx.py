@@ -5,8 +5,8 @@ codebooks and checkpoint state. Its two children are siblings: :class:`MidxQuant
 midx-pq: the softmax over the quantized embeddings, O(K D + K^2 + M log V) per query) and
 :class:`~hf_midx.samplers.midx_exact.MidxExactSampler` (midx-exact, Theorem 1: exactly the softmax, O(V D) per
 query, a yardstick, in :mod:`.midx_exact`). The sampler name names the quantizer (midx-rq: residual, midx-pq:
-product); midx-exact takes it as its ``quantizer``
-option. These options make the fast proposal cover the softmax better (issues 9 and 73):
+product); midx-exact takes it as its ``quantizer`` option. These options make the fast proposal cover the softmax
+better (issues 9 and 73):
 
 * ``last_stage="frequency"``: inside a bucket, draw a class proportionally to its smoothed training
   count w_i = (count_i + unigram_smoothing) ** unigram_power instead of uniformly; a bucket's mass uses
