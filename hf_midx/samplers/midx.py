@@ -188,12 +188,12 @@ class MidxQuantizedSampler(MidxSampler):
             if mix_static == "unigram":
                 mix_weight = 0.0
         self.last_stage, self.mix_static, self.mix_weight = last_stage, mix_static, float(mix_weight)
-        # Per-class log weights of the last stage (None: uniform) and the static component (V',) float32.
-        self._log_w = None
-        if last_stage == "frequency":
-            self._log_w = unigram_log_table(counts, unigram_smoothing, unigram_power)
+        # The smoothed unigram table (V',) float32, built once for whichever part reads it (the frequency and
+        # centered last stages, the unigram component); the last stage's per-class log weights (None: uniform).
+        unigram = last_stage != "uniform" or (self.mix_weight > 0 and mix_static == "unigram")
+        self._log_f = unigram_log_table(counts, unigram_smoothing, unigram_power) if unigram else None
+        self._log_w = self._log_f if last_stage == "frequency" else None
         if last_stage == "centered":
-            self._log_f = unigram_log_table(counts, unigram_smoothing, unigram_power)
             # The queries' running sum and count since the last index change (float64: a run adds millions) and
             # the mean that the current tables use (none seen yet: 0, the frequency last stage).
             self._query_sum = torch.zeros(self.dim, dtype=torch.float64, device=self.device)
@@ -202,7 +202,7 @@ class MidxQuantizedSampler(MidxSampler):
         self._log_static = None
         if self.mix_weight > 0:
             if mix_static == "unigram":
-                self._log_static = unigram_log_table(counts, unigram_smoothing, unigram_power)
+                self._log_static = self._log_f
             else:
                 v = self.num_candidates
                 self._log_static = torch.full((v,), -math.log(v), device=self.device)
