@@ -35,6 +35,31 @@ def test_compare_samplers_seeds(tmp_path):
     assert "Equal steps: 4" in md and " ± " in md
 
 
+def test_paper_profile_reports_test_perplexity_by_epoch_and_coverage(tmp_path):
+    """--profile paper keeps a checkpoint per epoch and measures each one's test perplexity (the best one's equal to
+    the recipe's: --smoke re-measures it and raises otherwise), and reports the proposal's last logged coverage."""
+    data = _tiny_corpus(tmp_path)
+    out = tmp_path / "out"
+    p = run_bench(
+        "compare_samplers", out, "--data_dir", str(data), "--profile", "paper", "--samplers", "full", "unigram",
+        "--epochs", "2", "--batch_size", "8", "--no_plots",
+    )  # fmt: skip
+    assert "--save_strategy epoch" in p["settings"]["recipe_args"]
+    for name in ("full", "unigram"):
+        run = p["equal_epochs"][name]
+        assert run["error"] is None, run["error"]
+        by_epoch = run["test_by_epoch"]
+        assert [round(e["epoch"]) for e in by_epoch] == [1, 2] and sum(e["best"] for e in by_epoch) == 1
+        best = next(e for e in by_epoch if e["best"])
+        assert best["test_perplexity"] == pytest.approx(run["test_perplexity"])
+        assert not list((out / name).glob("checkpoint-*")) or name == "full"  # pruned unless kept
+    assert p["equal_epochs"]["full"]["coverage_at_end"] is None
+    cov = p["equal_epochs"]["unigram"]["coverage_at_end"]
+    assert cov["kl_pq"] >= 0 and 0 < cov["ess"] <= 1 and 0 <= cov["mass_p_over_q_gt_10"] <= 1
+    md = (out / "compare_samplers.md").read_text()
+    assert "test ppl by epoch" in md and f"{cov['kl_pq']:.2f}, {cov['ess']:.3f}" in md
+
+
 def test_bench_kl_reports_the_diagnostics_and_their_prediction(tmp_path):
     ppl = tmp_path / "ppl.json"
     ppl.write_text(json.dumps({"midx-rq": 500.0, "unigram": 390.0, "midx-rq-mix": 383.0, "uniform": 900.0}))

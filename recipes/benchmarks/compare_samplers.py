@@ -85,11 +85,13 @@ PAPER_RECIPE_ARGS = (
     "--exact_head 0 --mix_weight 0 --tail_gradient sampled --estimator corrected-positive --kmeans_iters 100 "
     "--refresh_every_epoch true --learning_rate 1e-3 --lr_scheduler_type constant --warmup_steps 0 "
     "--weight_decay 0 --max_grad_norm 0 --config_overrides resid_pdrop=0.5,embd_pdrop=0.5,attn_pdrop=0.5 "
-    "--eval_strategy epoch --save_strategy epoch --save_total_limit 1 --load_best_model_at_end true "
-    "--metric_for_best_model eval_loss"
+    "--eval_strategy epoch --save_strategy epoch --load_best_model_at_end true --metric_for_best_model eval_loss"
 )
 PROFILES["paper"] = dict(epochs=3.0, seeds=1, wall_clock="off", batch_size=256, refreshes_per_epoch=0,
-                         samplers=PAPER_SAMPLERS, recipe_args=PAPER_RECIPE_ARGS)  # fmt: skip
+                         samplers=PAPER_SAMPLERS, recipe_args=PAPER_RECIPE_ARGS, test_by_epoch=True)  # fmt: skip
+#: The proposal's coverage as the recipe logs it (``midx/<key>``): KL(P||Q), KL(Q||P), ESS / M (exact and from the
+#: draws) and P's mass where p/q > 10 (``hf_midx.integration.diagnostics``).
+COVERAGE_KEYS = ("kl_pq", "kl", "ess", "ess_sampled", "mass_p_over_q_gt_10")
 KEEP_MODELS = ("full", "midx-rq")  # their weights stay (e.g. for bench_kl.py --model_dir); others are deleted
 QUICK_OVERRIDES = "n_embd=32,n_layer=1,n_head=2,n_inner=64"
 SMOKE_OVERRIDES = "n_embd=16,n_layer=1,n_head=2,n_inner=32"
@@ -131,6 +133,9 @@ def parse_args(argv=None):
                    help="equal-epochs runs at a time (subprocesses sharing the machine, e.g. a GPU that one small run leaves "
                    "idle); their perplexities are unaffected but their timings are not comparable, so it needs --wall_clock off")  # fmt: skip
     p.add_argument("--keep_models", action="store_true", help=f"keep every run's weights (default: only {KEEP_MODELS})")
+    p.add_argument("--test_by_epoch", action="store_true",
+                   help="the exact test perplexity of every checkpoint a run saved (with the recipe's --save_strategy "
+                   "epoch: one per epoch); set by --profile paper")  # fmt: skip
     args = common.parse(p, argv)
     if args.profile:
         given = set(argv if argv is not None else sys.argv[1:])
@@ -276,8 +281,51 @@ def summarize(run: dict) -> dict:
                 "tokens_per_second", "train_runtime_s")  # fmt: skip
         out.update({k: res.get(k) for k in keys})
         out["data"] = res.get("data")
+        out["coverage_at_end"] = coverage_at_end(run["history"])
         if train_time and res.get("global_step"):
             out["seconds_per_step"] = train_time / res["global_step"]
+    return out
+
+
+def coverage_at_end(history: list[dict]) -> dict | None:
+    """The proposal's coverage (:data:`COVERAGE_KEYS`) at the last training log entry that has it, with its step;
+    None for the full softmax."""
+    last = next((e for e in reversed(history) if "midx/kl_pq" in e), None)
+    return None if last is None else {"step": last.get("step"), **{k: last.get(f"midx/{k}") for k in COVERAGE_KEYS}}
+
+
+def checkpoint_test_perplexities(run_dir: Path, test_file, seq_len: int, run: dict, verify: bool = False) -> list[dict]:
+    """Exact (full-softmax) test perplexity of every ``checkpoint-*`` in ``run_dir``, in step order.
+
+    The blocks are the recipe's: its saved tokenizer over ``test_file``, ``seq_len`` predicted tokens per block, as
+    many blocks as the recipe's results say it evaluated; the mean of the per-block losses (every block predicts as
+    many tokens). The checkpoint the run ended on
+    (``best_model_checkpoint`` with ``--load_best_model_at_end``) takes the recipe's own figure; ``verify``
+    measures it here too and raises RuntimeError if the two differ by more than 1e-4 nats."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    lm_data = common.import_recipe("lm_data")
+    tokenizer = AutoTokenizer.from_pretrained(run_dir)
+    ids = lm_data.encode_lines(tokenizer, lm_data.read_lines(test_file))
+    blocks = lm_data.TokenBlocks.from_stream(ids, seq_len, limit=run["data"]["test_tokens"] // seq_len).data
+    state = run_dir / "trainer_state.json"
+    best = json.loads(state.read_text()).get("best_model_checkpoint") if state.exists() else None
+    out = []
+    for ckpt in sorted(run_dir.glob("checkpoint-*"), key=lambda d: int(d.name.split("-")[-1])):
+        is_best = best is not None and Path(best).name == ckpt.name
+        loss = run["test_loss"] if is_best else None
+        if loss is None or verify:
+            model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+            with torch.no_grad():
+                total = sum(float(model(input_ids=b, labels=b).loss) * len(b) for b in blocks.split(64))
+            loss, recipe_loss = total / len(blocks), loss
+            if recipe_loss is not None and abs(loss - recipe_loss) > 1e-4:
+                raise RuntimeError(f"{ckpt}: test loss {loss:.6f} here, {recipe_loss:.6f} in the recipe's results.json")
+        meta = json.loads((ckpt / "trainer_state.json").read_text())
+        out.append({"step": meta.get("global_step"), "epoch": meta.get("epoch"), "test_loss": loss,
+                    "test_perplexity": _ppl(loss), "best": is_best})  # fmt: skip
+        print(f"   test perplexity at {ckpt.name} (epoch {_f(meta.get('epoch'), 2)}): {_f(_ppl(loss))}", flush=True)
     return out
 
 
@@ -359,7 +407,10 @@ def main(argv=None) -> dict:
             argv = recipe_argv(args, files, run_dir, sampler, epochs=None if args.max_steps else args.epochs,
                                max_steps=args.max_steps, every=every, refresh_every=refresh_every)  # fmt: skip
             argv[argv.index("--seed") + 1] = str(args.seed + k)
-            per_seed.append({**summarize(run_recipe(argv, run_dir, launcher, threads)), "seed": args.seed + k})
+            run = summarize(run_recipe(argv, run_dir, launcher, threads))
+            if args.test_by_epoch and not run["error"]:
+                run["test_by_epoch"] = checkpoint_test_perplexities(run_dir, files["test"], seq_len, run, verify=args.smoke)
+            per_seed.append({**run, "seed": args.seed + k})
             _prune(run_dir, sampler, args.keep_models)
         equal_epochs[sampler] = aggregate_seeds(per_seed)
         _print_run(sampler, equal_epochs[sampler])
@@ -468,6 +519,8 @@ def render_markdown(env, settings, equal_epochs, wall, budget, order):
         ("vs full", lambda t: _vs(t[1], full)), ("valid ppl", lambda t: _f(t[1].get("valid_perplexity"))),
         ("training s", lambda t: _f(t[1].get("train_time_s"), 0)),
         ("tokens/s", lambda t: _f(t[1].get("tokens_per_second_mean") or t[1].get("tokens_per_second"), 0)),
+        ("test ppl by epoch", lambda t: " / ".join(_f(e["test_perplexity"]) for e in t[1].get("test_by_epoch") or ()) or "-"),
+        ("KL(P‖Q), ESS/M, p/q>10 at end", lambda t: _coverage(t[1].get("coverage_at_end"))),
         ("test ppl, equal wall-clock", lambda t: (t[2].get("error") and "failed") or _f(t[2].get("test_perplexity"))),
         ("steps (epochs)", lambda t: "-" if not t[2] or t[2].get("global_step") is None
          else f"{t[2]['global_step']} ({_f(t[2].get('epoch'), 2)} ep)"),
@@ -477,6 +530,10 @@ def render_markdown(env, settings, equal_epochs, wall, budget, order):
         parts.append("\nFailed runs:\n")
         parts.extend(f"- {s}: {e}" for s, e in errors)
     return common.report("Samplers on WikiText-2 (the paper's LM table)", env, settings, *parts)
+
+
+def _coverage(c: dict | None) -> str:
+    return "-" if not c else f"{_f(c['kl_pq'], 2)}, {_f(c['ess'], 3)}, {_f(c['mass_p_over_q_gt_10'], 3)}"
 
 
 def _vs(run: dict, full: dict) -> str:
