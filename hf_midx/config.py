@@ -105,8 +105,11 @@ class MidxConfig:
         metadata={"help": "'auto' refresh: the share of training time the rebuilds may take."},
     )
     refresh_min_steps: int = field(
-        default=50,
-        metadata={"help": "'auto' refresh: the fewest steps between rebuilds."},
+        default=10,
+        metadata={
+            "help": "'auto' refresh: the fewest steps between rebuilds (the first rebuild comes after this many "
+            "steps, from trained weights)."
+        },
     )
     refresh_max_steps: int = field(
         default=1000,

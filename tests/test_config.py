@@ -26,7 +26,7 @@ def test_defaults_are_valid_and_documented():
     assert config.sampler == "midx-rq" and config.num_samples == 20 and config.codebook_size == 32
     assert config.negatives == "per-query" and config.codebooks == "kmeans"
     assert config.refresh_every_steps == "auto" and config.refresh_every_epoch is True
-    assert (config.refresh_budget, config.refresh_min_steps, config.refresh_max_steps) == (0.03, 50, 1000)
+    assert (config.refresh_budget, config.refresh_min_steps, config.refresh_max_steps) == (0.03, 10, 1000)
     assert config.kmeans_iters == 20 and config.kmeans_backend == "torch"
     assert config.remove_accidental_hits is None and config.seed == 0 and config.sampler_options == {}
     assert config.codebook_learning_rate == 1e-3 and config.kl_weight == 1.0 and config.kl_queries == 64
