@@ -1,0 +1,161 @@
+#!/usr/bin/env python
+"""The paper's LM table beside ours (issue 73, item 2): rows of ``compare_samplers.py --profile paper`` gathered.
+
+    python recipes/benchmarks/results/paper_setting/paper_table.py ROW_DIR [ROW_DIR ...] --out table/
+
+Each ROW_DIR holds one ``compare_samplers.json`` (one sampler, one seed: the rows run one per core, each from a
+worktree of a fixed commit, and finish at different times). Writes ``table.json`` (every row: its commit, test
+perplexity by epoch, validation perplexity by epoch, tokens/s, the proposal's coverage at the end), ``table.md``
+(the table beside the paper's figures, and every pair of rows the paper orders, said to hold here or not) and
+``table_valid_ppl.png`` (validation perplexity by epoch). Rows run before the by-epoch test perplexity and the
+coverage were recorded (commit ae829c5) take the coverage from the last logged ``midx/`` entry of their recipe
+log (``<sampler>.recipe.log`` beside the JSON) and have no test perplexity by epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[4]
+sys.path.insert(0, str(ROOT / "recipes" / "benchmarks"))
+
+import common  # noqa: E402
+from compare_samplers import COVERAGE_KEYS, PAPER_PPL  # noqa: E402
+
+#: Row -> what it is (the paper's rows first, in the paper's order; ours after).
+ROWS = {
+    "full": "full softmax",
+    "midx-rq-uniform": "the paper's MIDX-rq (uniform inside a bucket)",
+    "midx-pq-uniform": "the paper's MIDX-pq",
+    "unigram-logcount": "the paper's unigram (log(count + 1))",
+    "lsh": "LSH",
+    "uniform": "uniform",
+    "sphere": "sphere",
+    "rff": "RFF",
+    "unigram": "our unigram (count + 1)",
+    "midx-rq": "our MIDX-rq (centered last stage)",
+    "midx-rq-learned": "our MIDX-rq, learned codebooks",
+}
+
+
+def load_row(path: Path) -> list[dict]:
+    """The seeds of the one sampler in ``path`` (a compare_samplers.json or its folder)."""
+    path = path / "compare_samplers.json" if path.is_dir() else path
+    payload = json.loads(path.read_text())
+    commit = payload["environment"]["git"]["commit"][:7]
+    out = []
+    for sampler, run in payload["equal_epochs"].items():
+        coverage = run.get("coverage_at_end")
+        if coverage is None and sampler != "full":
+            coverage = _coverage_from_log(path.parent / f"{sampler}.recipe.log", path.parent / sampler / "recipe.log")
+        out.append({
+            "sampler": sampler, "seed": run.get("seed", payload["settings"]["seed"]), "commit": commit,
+            "test_perplexity": run.get("test_perplexity"), "error": run.get("error"),
+            "valid_by_epoch": [p["valid_perplexity"] for p in run.get("curve", [])],
+            "test_by_epoch": [e["test_perplexity"] for e in run.get("test_by_epoch") or []] or None,
+            "best_epoch": _best_epoch(run), "tokens_per_second": run.get("tokens_per_second"),
+            "train_time_s": run.get("train_time_s"), "coverage_at_end": coverage,
+        })  # fmt: skip
+    return out
+
+
+def _best_epoch(run: dict):
+    curve = run.get("curve") or []
+    return None if not curve else min(curve, key=lambda p: p["valid_loss"])["epoch"]
+
+
+def _coverage_from_log(*logs: Path) -> dict | None:
+    """The last training log line's ``midx/`` coverage figures (the recipe logs each entry as a dict)."""
+    for log in logs:
+        if not log.is_file():
+            continue
+        entries = [ast.literal_eval(line.split("INFO recipes: ", 1)[1]) for line in log.read_text().splitlines()
+                   if "INFO recipes: {" in line and "'midx/kl_pq'" in line]  # fmt: skip
+        if entries:
+            last = entries[-1]
+            return {"step": None, **{k: float(last[f"midx/{k}"]) for k in COVERAGE_KEYS if f"midx/{k}" in last}}
+    return None
+
+
+def mean_test(rows: list[dict], sampler: str) -> float | None:
+    ppl = [r["test_perplexity"] for r in rows if r["sampler"] == sampler and r["test_perplexity"] is not None]
+    return statistics.fmean(ppl) if ppl else None
+
+
+def orderings(rows: list[dict]) -> list[dict]:
+    """Every pair of rows the paper orders (both present here): which the paper puts lower, and whether ours does."""
+    ours = {s: mean_test(rows, s) for s in ROWS}
+    pairs = []
+    names = [s for s in ROWS if s in PAPER_PPL and ours.get(s) is not None]
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            if PAPER_PPL[a] == PAPER_PPL[b]:
+                continue
+            lo, hi = (a, b) if PAPER_PPL[a] < PAPER_PPL[b] else (b, a)
+            pairs.append({"lower_in_paper": lo, "higher_in_paper": hi, "paper": (PAPER_PPL[lo], PAPER_PPL[hi]),
+                          "ours": (ours[lo], ours[hi]), "holds": ours[lo] < ours[hi]})  # fmt: skip
+    return pairs
+
+
+def render(rows: list[dict], pairs: list[dict]) -> str:
+    def f(x, d=1):
+        return "-" if x is None else f"{x:.{d}f}"
+
+    def cov(r):
+        c = r["coverage_at_end"]
+        return "-" if not c else f"{f(c.get('kl_pq'), 2)} / {f(c.get('ess'), 3)} / {f(c.get('mass_p_over_q_gt_10'), 3)}"
+
+    order = {s: i for i, s in enumerate(ROWS)}
+    rows = sorted(rows, key=lambda r: (order.get(r["sampler"], 99), r["seed"]))
+    table = common.markdown_table(rows, [
+        ("row", lambda r: r["sampler"]), ("what", lambda r: ROWS.get(r["sampler"], "")),
+        ("paper test ppl", lambda r: f(PAPER_PPL.get(r["sampler"]))), ("seed", "seed"),
+        ("test ppl (best epoch)", lambda r: f(r["test_perplexity"])),
+        ("test ppl by epoch", lambda r: " / ".join(f(x) for x in r["test_by_epoch"]) if r["test_by_epoch"] else "-"),
+        ("valid ppl by epoch", lambda r: " / ".join(f(x) for x in r["valid_by_epoch"])),
+        ("tokens/s", lambda r: f(r["tokens_per_second"], 0)),
+        ("KL(P‖Q) / ESS/M / p/q>10 at end", cov), ("commit", "commit")])  # fmt: skip
+    held = [p for p in pairs if p["holds"]]
+    lines = [
+        "# The paper's LM table beside ours (issue 73)", "",
+        "Transformer on WikiText-2 in the paper's setting (`compare_samplers.py --profile paper`: pure sampling, M = 20, "
+        "K = 32, batch 256, Adam 1e-3, dropout 0.5, 3 epochs, the best epoch by validation loss), one core and one "
+        "thread per run on a 2-core CPU. The paper trained 100 epochs with early stopping: compare orderings, not "
+        "values. Test perplexity is exact (full softmax).", "", table, "",
+        f"## The paper's orderings here: {len(held)} of {len(pairs)} pairs hold", "",
+        "Mean test perplexity over the seeds run (the paper's figure in brackets).", "",
+    ]  # fmt: skip
+    for p in pairs:
+        lines.append(f"- {'holds' if p['holds'] else 'does not hold'}: {p['lower_in_paper']} {f(p['ours'][0])} "
+                     f"({f(p['paper'][0])}) below {p['higher_in_paper']} {f(p['ours'][1])} ({f(p['paper'][1])})")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("rows", nargs="+", type=Path, help="folders (or files) of compare_samplers.json, one row each")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    rows = [r for path in args.rows for r in load_row(path)]
+    pairs = orderings(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table.json").write_text(json.dumps({"rows": rows, "paper_test_perplexity": PAPER_PPL,
+                                                     "orderings": pairs}, indent=1) + "\n")  # fmt: skip
+    md = render(rows, pairs)
+    (args.out / "table.md").write_text(md)
+    lines = {f"{r['sampler']} s{r['seed']}": (list(range(1, len(r["valid_by_epoch"]) + 1)), r["valid_by_epoch"])
+             for r in rows if r["valid_by_epoch"]}  # fmt: skip
+    common.plot_panels(args.out, "table_valid_ppl.png", [{
+        "lines": lines, "yscale": "log", "xlabel": "epoch", "ylabel": "validation perplexity (exact)",
+        "title": "WikiText-2, the paper's setting", "style": lambda s: {"marker": "o", "color": "black" if s.startswith("full") else None}}],
+        size=(7.5, 5.0))  # fmt: skip
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
