@@ -42,14 +42,14 @@ def test_paper_profile_reports_test_perplexity_by_epoch_and_coverage(tmp_path):
     out = tmp_path / "out"
     p = run_bench(
         "compare_samplers", out, "--data_dir", str(data), "--profile", "paper", "--samplers", "full", "unigram",
-        "--epochs", "2", "--batch_size", "8", "--no_plots",
+        "--epochs", "3", "--batch_size", "8", "--no_plots",
     )  # fmt: skip
     assert "--save_strategy epoch" in p["settings"]["recipe_args"]
     for name in ("full", "unigram"):
         run = p["equal_epochs"][name]
         assert run["error"] is None, run["error"]
         by_epoch = run["test_by_epoch"]
-        assert [round(e["epoch"]) for e in by_epoch] == [1, 2] and sum(e["best"] for e in by_epoch) == 1
+        assert [round(e["epoch"]) for e in by_epoch] == [1, 2, 3] and sum(e["best"] for e in by_epoch) == 1
         best = next(e for e in by_epoch if e["best"])
         assert best["test_perplexity"] == pytest.approx(run["test_perplexity"])
         assert not list((out / name).glob("checkpoint-*")) or name == "full"  # pruned unless kept

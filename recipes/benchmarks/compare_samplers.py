@@ -85,7 +85,8 @@ PAPER_RECIPE_ARGS = (
     "--exact_head 0 --mix_weight 0 --tail_gradient sampled --estimator corrected-positive --kmeans_iters 100 "
     "--refresh_every_epoch true --learning_rate 1e-3 --lr_scheduler_type constant --warmup_steps 0 "
     "--weight_decay 0 --max_grad_norm 0 --config_overrides resid_pdrop=0.5,embd_pdrop=0.5,attn_pdrop=0.5 "
-    "--eval_strategy epoch --save_strategy epoch --load_best_model_at_end true --metric_for_best_model eval_loss"
+    "--eval_strategy epoch --save_strategy epoch --save_total_limit 100 --load_best_model_at_end true "
+    "--metric_for_best_model eval_loss"  # every epoch's checkpoint kept (the recipe keeps 2) for --test_by_epoch
 )
 PROFILES["paper"] = dict(epochs=3.0, seeds=1, wall_clock="off", batch_size=256, refreshes_per_epoch=0,
                          samplers=PAPER_SAMPLERS, recipe_args=PAPER_RECIPE_ARGS, test_by_epoch=True)  # fmt: skip
