@@ -4,10 +4,13 @@ bench_kl diagnostics table, on a tiny synthetic corpus (no network, no shared da
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from test_benchmarks import _tiny_corpus, run_bench
+from _env import offline_env
+from test_benchmarks import REPO, _tiny_corpus, run_bench
 
 
 def test_compare_samplers_seeds(tmp_path):
@@ -58,6 +61,17 @@ def test_paper_profile_reports_test_perplexity_by_epoch_and_coverage(tmp_path):
     assert cov["kl_pq"] >= 0 and 0 < cov["ess"] <= 1 and 0 <= cov["mass_p_over_q_gt_10"] <= 1
     md = (out / "compare_samplers.md").read_text()
     assert "test ppl by epoch" in md and f"{cov['kl_pq']:.2f}, {cov['ess']:.3f}" in md
+    # paper_table.py sets the rows beside the paper's figures and says whether its ordering (full below unigram) holds.
+    table = tmp_path / "table"
+    proc = subprocess.run([sys.executable, str(REPO / "recipes/benchmarks/results/paper_setting/paper_table.py"),
+                           str(out), "--out", str(table)], capture_output=True, text=True, env=offline_env(MPLBACKEND="Agg"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["sampler"]: r for r in json.loads((table / "table.json").read_text())["rows"]}
+    assert set(rows) == {"full", "unigram"} and len(rows["unigram"]["test_by_epoch"]) == 3
+    full, unigram = p["equal_epochs"]["full"]["test_perplexity"], p["equal_epochs"]["unigram"]["test_perplexity"]
+    holds = "holds" if full < unigram else "does not hold"
+    assert f"- {holds}: full {full:.1f} (180.8) below unigram {unigram:.1f} (218.4)" in (table / "table.md").read_text()
+    assert (table / "table_valid_ppl.png").stat().st_size > 0
 
 
 def test_bench_kl_reports_the_diagnostics_and_their_prediction(tmp_path):

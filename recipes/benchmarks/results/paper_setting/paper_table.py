@@ -9,7 +9,8 @@ perplexity by epoch, validation perplexity by epoch, tokens/s, the proposal's co
 (the table beside the paper's figures, and every pair of rows the paper orders, said to hold here or not) and
 ``table_valid_ppl.png`` (validation perplexity by epoch). Rows run before the by-epoch test perplexity and the
 coverage were recorded (commit ae829c5) take the coverage from the last logged ``midx/`` entry of their recipe
-log (``<sampler>.recipe.log`` beside the JSON) and have no test perplexity by epoch.
+log (``<sampler>.recipe.log`` beside the JSON) and have no test perplexity by epoch; an epoch whose checkpoint the
+run did not keep shows "-".
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def load_row(path: Path) -> list[dict]:
     commit = payload["environment"]["git"]["commit"][:7]
     out = []
     for sampler, run in payload["equal_epochs"].items():
+        by_epoch = {str(round(e["epoch"])): e["test_perplexity"] for e in run.get("test_by_epoch") or []}
+        best = _best_epoch(run)
+        if best is not None and run.get("test_perplexity") is not None:
+            by_epoch.setdefault(str(round(best)), run["test_perplexity"])  # the recipe's test is the best epoch's
         coverage = run.get("coverage_at_end")
         if coverage is None and sampler != "full":
             coverage = _coverage_from_log(path.parent / f"{sampler}.recipe.log", path.parent / sampler / "recipe.log")
@@ -57,8 +62,7 @@ def load_row(path: Path) -> list[dict]:
             "sampler": sampler, "seed": run.get("seed", payload["settings"]["seed"]), "commit": commit,
             "test_perplexity": run.get("test_perplexity"), "error": run.get("error"),
             "valid_by_epoch": [p["valid_perplexity"] for p in run.get("curve", [])],
-            "test_by_epoch": [e["test_perplexity"] for e in run.get("test_by_epoch") or []] or None,
-            "best_epoch": _best_epoch(run), "tokens_per_second": run.get("tokens_per_second"),
+            "test_by_epoch": by_epoch, "best_epoch": best, "tokens_per_second": run.get("tokens_per_second"),
             "train_time_s": run.get("train_time_s"), "coverage_at_end": coverage,
         })  # fmt: skip
     return out
@@ -116,7 +120,7 @@ def render(rows: list[dict], pairs: list[dict]) -> str:
         ("row", lambda r: r["sampler"]), ("what", lambda r: ROWS.get(r["sampler"], "")),
         ("paper test ppl", lambda r: f(PAPER_PPL.get(r["sampler"]))), ("seed", "seed"),
         ("test ppl (best epoch)", lambda r: f(r["test_perplexity"])),
-        ("test ppl by epoch", lambda r: " / ".join(f(x) for x in r["test_by_epoch"]) if r["test_by_epoch"] else "-"),
+        ("test ppl by epoch", lambda r: " / ".join(f(r["test_by_epoch"].get(str(e))) for e in range(1, len(r["valid_by_epoch"]) + 1))),
         ("valid ppl by epoch", lambda r: " / ".join(f(x) for x in r["valid_by_epoch"])),
         ("tokens/s", lambda r: f(r["tokens_per_second"], 0)),
         ("KL(P‖Q) / ESS/M / p/q>10 at end", cov), ("commit", "commit")])  # fmt: skip
