@@ -300,9 +300,9 @@ def checkpoint_test_perplexities(run_dir: Path, test_file, seq_len: int, run: di
 
     The blocks are the recipe's: its saved tokenizer over ``test_file``, ``seq_len`` predicted tokens per block, as
     many blocks as the recipe's results say it evaluated; the mean of the per-block losses (every block predicts as
-    many tokens). The checkpoint the run ended on
-    (``best_model_checkpoint`` with ``--load_best_model_at_end``) takes the recipe's own figure; ``verify``
-    measures it here too and raises RuntimeError if the two differ by more than 1e-4 nats."""
+    many tokens). The checkpoint the run ended on (``best_model_checkpoint`` with ``--load_best_model_at_end``)
+    takes the recipe's own figure; ``verify`` measures it here too and raises RuntimeError if the two differ by
+    more than 1e-4 nats."""
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
