@@ -44,11 +44,11 @@ def test_paper_profile_reports_test_perplexity_by_epoch_and_coverage(tmp_path):
     data = _tiny_corpus(tmp_path)
     out = tmp_path / "out"
     p = run_bench(
-        "compare_samplers", out, "--data_dir", str(data), "--profile", "paper", "--samplers", "full", "unigram",
+        "compare_samplers", out, "--data_dir", str(data), "--profile", "paper", "--samplers", "full", "midx-pq-uniform",
         "--epochs", "3", "--batch_size", "8", "--no_plots",
     )  # fmt: skip
     assert "--save_strategy epoch" in p["settings"]["recipe_args"]
-    for name in ("full", "unigram"):
+    for name in ("full", "midx-pq-uniform"):
         run = p["equal_epochs"][name]
         assert run["error"] is None, run["error"]
         by_epoch = run["test_by_epoch"]
@@ -57,20 +57,22 @@ def test_paper_profile_reports_test_perplexity_by_epoch_and_coverage(tmp_path):
         assert best["test_perplexity"] == pytest.approx(run["test_perplexity"])
         assert not list((out / name).glob("checkpoint-*")) or name == "full"  # pruned unless kept
     assert p["equal_epochs"]["full"]["coverage_at_end"] is None
-    cov = p["equal_epochs"]["unigram"]["coverage_at_end"]
+    cov = p["equal_epochs"]["midx-pq-uniform"]["coverage_at_end"]
     assert cov["kl_pq"] >= 0 and 0 < cov["ess"] <= 1 and 0 <= cov["mass_p_over_q_gt_10"] <= 1
     md = (out / "compare_samplers.md").read_text()
     assert "test ppl by epoch" in md and f"{cov['kl_pq']:.2f}, {cov['ess']:.3f}" in md
-    # paper_table.py sets the rows beside the paper's figures and says whether its ordering (full below unigram) holds.
+    # paper_table.py sets the rows beside the paper's figures and says whether its ordering (full below its MIDX-pq)
+    # holds.
     table = tmp_path / "table"
     proc = subprocess.run([sys.executable, str(REPO / "recipes/benchmarks/results/paper_setting/paper_table.py"),
                            str(out), "--out", str(table)], capture_output=True, text=True, env=offline_env(MPLBACKEND="Agg"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {r["sampler"]: r for r in json.loads((table / "table.json").read_text())["rows"]}
-    assert set(rows) == {"full", "unigram"} and len(rows["unigram"]["test_by_epoch"]) == 3
-    full, unigram = p["equal_epochs"]["full"]["test_perplexity"], p["equal_epochs"]["unigram"]["test_perplexity"]
-    holds = "holds" if full < unigram else "does not hold"
-    assert f"- {holds}: full {full:.1f} (180.8) below unigram {unigram:.1f} (218.4)" in (table / "table.md").read_text()
+    assert set(rows) == {"full", "midx-pq-uniform"} and len(rows["midx-pq-uniform"]["test_by_epoch"]) == 3
+    full, other = (p["equal_epochs"][s]["test_perplexity"] for s in ("full", "midx-pq-uniform"))
+    holds = "holds" if full < other else "does not hold"
+    line = f"- {holds}: full {full:.1f} (180.8) below midx-pq-uniform {other:.1f} (199.7)"
+    assert line in (table / "table.md").read_text()
     assert (table / "table_valid_ppl.png").stat().st_size > 0
 
 
