@@ -106,10 +106,7 @@ class MidxConfig:
     )
     refresh_min_steps: int = field(
         default=10,
-        metadata={
-            "help": "'auto' refresh: the fewest steps between rebuilds (the first rebuild comes after this many "
-            "steps, from trained weights)."
-        },
+        metadata={"help": "'auto' refresh: the fewest steps between rebuilds, and before the first one."},
     )
     refresh_max_steps: int = field(
         default=1000,
