@@ -76,6 +76,42 @@ def test_paper_profile_reports_test_perplexity_by_epoch_and_coverage(tmp_path):
     assert (table / "table_valid_ppl.png").stat().st_size > 0
 
 
+def _paper_row(folder, sampler, seed, test_ppl):
+    """A compare_samplers.json of one sampler and seed, as ``--profile paper`` writes it (3 epochs)."""
+    curve = [{"epoch": float(e), "valid_loss": 7.0 - e, "valid_perplexity": 1000.0 / e} for e in (1, 2, 3)]
+    run = {"seed": seed, "test_perplexity": test_ppl, "error": None, "curve": curve, "tokens_per_second": 1000.0,
+           "train_time_s": 10.0, "coverage_at_end": None if sampler == "full" else {"kl_pq": 1.0, "ess": 0.1,
+           "mass_p_over_q_gt_10": 0.3},
+           "test_by_epoch": [{"epoch": e, "test_perplexity": test_ppl * (4 - e)} for e in (1.0, 2.0, 3.0)]}  # fmt: skip
+    folder.mkdir(parents=True)
+    payload = {"environment": {"git": {"commit": "0123456789"}}, "settings": {"seed": seed}, "equal_epochs": {sampler: run}}
+    (folder / "compare_samplers.json").write_text(json.dumps(payload))
+    return folder
+
+
+def test_paper_table_orders_rows_by_their_mean_and_counts_the_seeds_where_each_ordering_holds(tmp_path):
+    # Seed 0 has the paper's MIDX-rq below its MIDX-pq, seed 1 not; the means (315 < 316) keep the paper's order.
+    runs = [("full", 0, 280.0), ("full", 1, 290.0), ("midx-rq-uniform", 0, 300.0), ("midx-rq-uniform", 1, 330.0),
+            ("midx-pq-uniform", 0, 310.0), ("midx-pq-uniform", 1, 322.0), ("midx-rq", 0, 285.0)]  # fmt: skip
+    dirs = [str(_paper_row(tmp_path / f"{s}-s{k}", s, k, v)) for s, k, v in runs]
+    proc = subprocess.run([sys.executable, str(REPO / "recipes/benchmarks/results/paper_setting/paper_table.py"), *dirs,
+                           "--out", str(tmp_path / "table")], capture_output=True, text=True, env=offline_env(MPLBACKEND="Agg"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = json.loads((tmp_path / "table" / "table.json").read_text())
+    by_row = {r["sampler"]: r for r in table["by_row"]}
+    assert by_row["midx-rq-uniform"]["seeds"] == [0, 1] and by_row["midx-rq-uniform"]["mean"] == pytest.approx(315.0)
+    assert by_row["midx-rq-uniform"]["sd"] == pytest.approx(21.2132, rel=1e-4) and by_row["midx-rq"]["sd"] is None
+    pair = next(p for p in table["orderings"] if p["lower_in_paper"] == "midx-rq-uniform" and p["higher_in_paper"] == "midx-pq-uniform")
+    assert pair["holds"] and pair["seeds"] == [0, 1] and pair["seeds_holding"] == 1
+    assert all(p["holds"] and p["seeds_holding"] == 2 for p in table["orderings"] if p is not pair)
+    assert len(table["orderings"]) == 3  # our midx-rq is not one of the paper's rows
+    ours = {(o["row"], o["against"]): o["relative"] for o in table["our_pairs"]}
+    assert ours == {("midx-rq", "midx-rq-uniform"): pytest.approx(285 / 315 - 1), ("midx-rq", "full"): pytest.approx(285 / 285 - 1)}
+    md = (tmp_path / "table" / "table.md").read_text()
+    assert "midx-rq-uniform 315.0 (180.9) below midx-pq-uniform 316.0 (199.7); on 1 of 2 seeds run by both" in md
+    assert "| midx-rq-uniform | 180.9 | 0, 1 | 315.0 | 21.2 |" in md
+
+
 def test_bench_kl_reports_the_diagnostics_and_their_prediction(tmp_path):
     ppl = tmp_path / "ppl.json"
     ppl.write_text(json.dumps({"midx-rq": 500.0, "unigram": 390.0, "midx-rq-mix": 383.0, "uniform": 900.0}))

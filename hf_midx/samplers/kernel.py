@@ -22,29 +22,35 @@ from ..registry import register
 class _ExhaustiveSampler(Sampler):
     """Adaptive baselines whose unnormalized weight w(z, i) is computed for all V classes per query.
 
-    O(T V) per call: exact probabilities, no trees (the paper measured them the same way).
-    Subclasses implement ``_weights(q (c, D)) -> (c, V)`` non-negative float32 and may override
-    ``_log_z``.
+    O(T V) per call: exact probabilities, no trees (the paper measured them the same way). Subclasses implement
+    ``_weights(q (c, D) float32) -> (c, V)`` float32 weights bounded below by a positive floor, so that every class
+    stays drawable and log w stays finite.
     """
 
-    def _log_weights(self, q: torch.Tensor) -> torch.Tensor:
-        return self._weights(q).log()
-
     def _sample(self, q, m, gen):
-        ids = torch.empty(q.shape[0], m, dtype=torch.long, device=self.device)
+        return self._sample_scored(q, m, gen, None)[:2]
+
+    def _sample_scored(self, q, m, gen, ids):
+        # The (c, V) weights are the whole cost: one evaluation per chunk serves the draws and the labels, and no
+        # log or exp runs over them (the float64 cumulative sum the draws invert also gives the normalizer).
+        draws = torch.empty(q.shape[0], m, dtype=torch.long, device=self.device)
         log_q = torch.empty(q.shape[0], m, device=self.device)
+        scored = None if ids is None else torch.empty(ids.shape, device=self.device)
         for rows in row_chunks(q.shape[0], self.num_candidates):
-            lw = self._log_weights(q[rows])
-            lp = lw - torch.logsumexp(lw, dim=1, keepdim=True)
-            drawn = gen.categorical(lp.double().exp(), m)
-            ids[rows], log_q[rows] = drawn, lp.gather(1, drawn)
-        return ids, log_q
+            w = self._weights(q[rows])
+            cum = w.double().cumsum(1)
+            log_total = cum[:, -1:].log()
+            drawn = gen.categorical(cum, m, cumulative=True)
+            draws[rows], log_q[rows] = drawn, w.gather(1, drawn).double().log() - log_total
+            if scored is not None:
+                scored[rows] = w.gather(1, ids[rows]).double().log() - log_total
+        return draws, log_q, scored
 
     def _log_prob(self, q, ids):
         out = torch.empty(ids.shape, device=self.device)
         for rows in row_chunks(q.shape[0], self.num_candidates):
-            lw = self._log_weights(q[rows])
-            out[rows] = lw.gather(1, ids[rows]) - torch.logsumexp(lw, dim=1, keepdim=True)
+            w = self._weights(q[rows])
+            out[rows] = w.gather(1, ids[rows]).double().log() - w.double().sum(1, keepdim=True).log()
         return out
 
 
@@ -77,9 +83,9 @@ class SphereSampler(_ExhaustiveSampler):
     def refresh(self, embeddings: torch.Tensor) -> None:
         self.embeddings = self._check_embeddings(embeddings).clone()
 
-    def _log_weights(self, q):
+    def _weights(self, q):
         o = q @ self.embeddings.t()
-        return torch.log1p(self.alpha * o * o)
+        return o.square_().mul_(self.alpha).add_(1.0)
 
 
 @register
@@ -128,6 +134,6 @@ class RFFSampler(_ExhaustiveSampler):
     def refresh(self, embeddings: torch.Tensor) -> None:
         self.class_features = self._features(self._check_embeddings(embeddings))
 
-    def _log_weights(self, q):
+    def _weights(self, q):
         k = self._features(q) @ self.class_features.t()
-        return k.clamp_min(math.exp(-2.0 * self.temperature)).log()
+        return k.clamp_min_(math.exp(-2.0 * self.temperature))

@@ -406,6 +406,8 @@ def test_midx_ignores_a_codeword_without_classes(make_clustered):
         ("midx-exact", {}),
         ("unigram", {}),
         ("lsh", {}),
+        ("sphere", {}),
+        ("rff", {}),
     ],
 )
 def test_draw_scored_equals_draw_then_score(name, options, problem):

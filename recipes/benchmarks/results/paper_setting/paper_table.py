@@ -5,8 +5,9 @@
 
 Each ROW_DIR holds one ``compare_samplers.json`` (one sampler, one seed: the rows run one per core, each from a
 worktree of a fixed commit, and finish at different times). Writes ``table.json`` (every row: its commit, test
-perplexity by epoch, validation perplexity by epoch, tokens/s, the proposal's coverage at the end), ``table.md``
-(the table beside the paper's figures, and every pair of rows the paper orders, said to hold here or not) and
+perplexity by epoch, validation perplexity by epoch, tokens/s, the proposal's coverage at the end; each row's mean
+and sd over its seeds), ``table.md`` (the table beside the paper's figures; every pair of rows the paper orders,
+said to hold here or not by the rows' means and counted seed by seed; our rows against the rows they change) and
 ``table_valid_ppl.png`` (validation perplexity by epoch). Rows run before the by-epoch test perplexity and the
 coverage were recorded (commit ae829c5) take the coverage from the last logged ``midx/`` entry of their recipe
 log (``<sampler>.recipe.log`` beside the JSON) and have no test perplexity by epoch; an epoch whose checkpoint the
@@ -95,9 +96,25 @@ def mean_test(rows: list[dict], sampler: str) -> float | None:
     return statistics.fmean(ppl) if ppl else None
 
 
+def test_by_seed(rows: list[dict], sampler: str) -> dict[int, float]:
+    return {r["seed"]: r["test_perplexity"] for r in rows if r["sampler"] == sampler and r["test_perplexity"] is not None}
+
+
+def by_sampler(rows: list[dict]) -> list[dict]:
+    """One line per sampler (in :data:`ROWS` order): its seeds, their mean test perplexity and sample sd."""
+    out = []
+    for s in sorted({r["sampler"] for r in rows}, key=lambda s: list(ROWS).index(s) if s in ROWS else 99):
+        ppl = test_by_seed(rows, s)
+        vals = list(ppl.values())
+        out.append({"sampler": s, "seeds": sorted(ppl), "mean": statistics.fmean(vals) if vals else None,
+                    "sd": statistics.stdev(vals) if len(vals) > 1 else None,
+                    "paper": PAPER_PPL[s] if s in PAPER_ROWS else None})  # fmt: skip
+    return out
+
+
 def orderings(rows: list[dict]) -> list[dict]:
     """Every pair of the paper's rows (:data:`PAPER_ROWS`, both present here) it orders: which the paper puts lower,
-    and whether ours does."""
+    whether ours does (by the mean over each row's seeds), and on how many of the seeds both rows ran."""
     ours = {s: mean_test(rows, s) for s in PAPER_ROWS}
     pairs = []
     names = [s for s in PAPER_ROWS if ours.get(s) is not None]
@@ -106,9 +123,27 @@ def orderings(rows: list[dict]) -> list[dict]:
             if PAPER_PPL[a] == PAPER_PPL[b]:
                 continue
             lo, hi = (a, b) if PAPER_PPL[a] < PAPER_PPL[b] else (b, a)
+            seeds_lo, seeds_hi = test_by_seed(rows, lo), test_by_seed(rows, hi)
+            common_seeds = sorted(set(seeds_lo) & set(seeds_hi))
             pairs.append({"lower_in_paper": lo, "higher_in_paper": hi, "paper": (PAPER_PPL[lo], PAPER_PPL[hi]),
-                          "ours": (ours[lo], ours[hi]), "holds": ours[lo] < ours[hi]})  # fmt: skip
+                          "ours": (ours[lo], ours[hi]), "holds": ours[lo] < ours[hi], "seeds": common_seeds,
+                          "seeds_holding": sum(seeds_lo[k] < seeds_hi[k] for k in common_seeds)})  # fmt: skip
     return pairs
+
+
+#: Our rows against the rows they change: (ours, theirs), each compared by mean test perplexity over its seeds.
+OUR_PAIRS = (("midx-rq", "midx-rq-uniform"), ("midx-rq", "unigram"), ("midx-rq", "full"),
+             ("midx-rq-learned", "midx-rq"), ("unigram", "unigram-logcount"))  # fmt: skip
+
+
+def our_pairs(rows: list[dict]) -> list[dict]:
+    """:data:`OUR_PAIRS` where both rows ran: the relative difference of their mean test perplexities."""
+    out = []
+    for a, b in OUR_PAIRS:
+        ma, mb = mean_test(rows, a), mean_test(rows, b)
+        if ma is not None and mb is not None:
+            out.append({"row": a, "against": b, "ours": (ma, mb), "relative": ma / mb - 1})
+    return out
 
 
 def render(rows: list[dict], pairs: list[dict]) -> str:
@@ -130,18 +165,28 @@ def render(rows: list[dict], pairs: list[dict]) -> str:
         ("tokens/s", lambda r: f(r["tokens_per_second"], 0)),
         ("KL(P‖Q) / ESS/M / p/q>10 at end", cov), ("commit", "commit")])  # fmt: skip
     held = [p for p in pairs if p["holds"]]
+    mean_table = common.markdown_table(by_sampler(rows), [
+        ("row", "sampler"), ("paper test ppl", lambda m: f(m["paper"])), ("seeds", lambda m: ", ".join(map(str, m["seeds"]))),
+        ("test ppl, mean", lambda m: f(m["mean"])), ("sd", lambda m: f(m["sd"]))])  # fmt: skip
     lines = [
         "# The paper's LM table beside ours (issue 73)", "",
         "Transformer on WikiText-2 in the paper's setting (`compare_samplers.py --profile paper`: pure sampling, M = 20, "
         "K = 32, batch 256, Adam 1e-3, dropout 0.5, 3 epochs, the best epoch by validation loss), one core and one "
         "thread per run on a 2-core CPU. The paper trained 100 epochs with early stopping: compare orderings, not "
         "values. Test perplexity is exact (full softmax).", "", table, "",
+        "## By row: mean over seeds", "", mean_table, "",
         f"## The paper's orderings here: {len(held)} of {len(pairs)} pairs hold", "",
-        "Mean test perplexity over the seeds run (the paper's figure in brackets).", "",
+        "Mean test perplexity over each row's seeds (the paper's figure in brackets); then on how many of the seeds both rows ran the pair holds.", "",
     ]  # fmt: skip
     for p in pairs:
         lines.append(f"- {'holds' if p['holds'] else 'does not hold'}: {p['lower_in_paper']} {f(p['ours'][0])} "
-                     f"({f(p['paper'][0])}) below {p['higher_in_paper']} {f(p['ours'][1])} ({f(p['paper'][1])})")  # fmt: skip
+                     f"({f(p['paper'][0])}) below {p['higher_in_paper']} {f(p['ours'][1])} ({f(p['paper'][1])}); "
+                     f"on {p['seeds_holding']} of {len(p['seeds'])} seeds run by both")  # fmt: skip
+    ours = our_pairs(rows)
+    if ours:
+        lines += ["", "## Our rows against the rows they change", "", "Mean test perplexity over each row's seeds.", ""]
+        lines += [f"- {o['row']} {f(o['ours'][0])} against {o['against']} {f(o['ours'][1])}: {100 * o['relative']:+.1f}%"
+                  for o in ours]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -153,8 +198,10 @@ def main(argv=None) -> None:
     rows = [r for path in args.rows for r in load_row(path)]
     pairs = orderings(rows)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "table.json").write_text(json.dumps({"rows": rows, "paper_test_perplexity": PAPER_PPL,
-                                                     "orderings": pairs}, indent=1) + "\n")  # fmt: skip
+    (args.out / "table.json").write_text(json.dumps({"rows": rows, "by_row": by_sampler(rows),
+                                                     "paper_test_perplexity": PAPER_PPL, "orderings": pairs,
+                                                     "our_pairs": our_pairs(rows)},
+                                                    indent=1) + "\n")  # fmt: skip
     md = render(rows, pairs)
     (args.out / "table.md").write_text(md)
     lines = {f"{r['sampler']} s{r['seed']}": (list(range(1, len(r["valid_by_epoch"]) + 1)), r["valid_by_epoch"])
