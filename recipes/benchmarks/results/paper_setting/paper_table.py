@@ -7,7 +7,7 @@ Each ROW_DIR holds one ``compare_samplers.json`` (one sampler, one seed: the row
 worktree of a fixed commit, and finish at different times). Writes ``table.json`` (every row: its commit, test
 perplexity by epoch, validation perplexity by epoch, tokens/s, the proposal's coverage at the end; each row's mean
 and sd over its seeds), ``table.md`` (the table beside the paper's figures; every pair of rows the paper orders,
-said to hold here or not by the rows' means and counted seed by seed; our rows against the rows they change) and
+said to hold here or not by the means over the seeds both rows ran and counted seed by seed; our rows against the rows they change) and
 ``table_valid_ppl.png`` (validation perplexity by epoch). Rows run before the by-epoch test perplexity and the
 coverage were recorded (commit ae829c5) take the coverage from the last logged ``midx/`` entry of their recipe
 log (``<sampler>.recipe.log`` beside the JSON) and have no test perplexity by epoch; an epoch whose checkpoint the
@@ -91,11 +91,6 @@ def _coverage_from_log(*logs: Path) -> dict | None:
 PAPER_ROWS = ("full", "midx-rq-uniform", "midx-pq-uniform", "unigram-logcount", "lsh", "uniform", "sphere", "rff")
 
 
-def mean_test(rows: list[dict], sampler: str) -> float | None:
-    ppl = [r["test_perplexity"] for r in rows if r["sampler"] == sampler and r["test_perplexity"] is not None]
-    return statistics.fmean(ppl) if ppl else None
-
-
 def test_by_seed(rows: list[dict], sampler: str) -> dict[int, float]:
     return {r["seed"]: r["test_perplexity"] for r in rows if r["sampler"] == sampler and r["test_perplexity"] is not None}
 
@@ -112,22 +107,31 @@ def by_sampler(rows: list[dict]) -> list[dict]:
     return out
 
 
+def paired_means(rows: list[dict], a: str, b: str) -> tuple[list[int], float, float] | None:
+    """The seeds both ``a`` and ``b`` ran and each one's mean test perplexity over them (a seed fixes the data
+    order and the initial weights, so rows are compared on the same seeds); None if either has none."""
+    pa, pb = test_by_seed(rows, a), test_by_seed(rows, b)
+    seeds = sorted(set(pa) & set(pb))
+    if not seeds:
+        return None
+    return seeds, statistics.fmean(pa[k] for k in seeds), statistics.fmean(pb[k] for k in seeds)
+
+
 def orderings(rows: list[dict]) -> list[dict]:
-    """Every pair of the paper's rows (:data:`PAPER_ROWS`, both present here) it orders: which the paper puts lower,
-    whether ours does (by the mean over each row's seeds), and on how many of the seeds both rows ran."""
-    ours = {s: mean_test(rows, s) for s in PAPER_ROWS}
+    """Every pair of the paper's rows (:data:`PAPER_ROWS`, both run here on a common seed) it orders: which the
+    paper puts lower, whether ours does (by the means over the seeds both rows ran), and on how many of them."""
     pairs = []
-    names = [s for s in PAPER_ROWS if ours.get(s) is not None]
-    for i, a in enumerate(names):
-        for b in names[i + 1 :]:
-            if PAPER_PPL[a] == PAPER_PPL[b]:
-                continue
+    for i, a in enumerate(PAPER_ROWS):
+        for b in PAPER_ROWS[i + 1 :]:
             lo, hi = (a, b) if PAPER_PPL[a] < PAPER_PPL[b] else (b, a)
-            seeds_lo, seeds_hi = test_by_seed(rows, lo), test_by_seed(rows, hi)
-            common_seeds = sorted(set(seeds_lo) & set(seeds_hi))
+            paired = paired_means(rows, lo, hi)
+            if PAPER_PPL[a] == PAPER_PPL[b] or paired is None:
+                continue
+            seeds, m_lo, m_hi = paired
+            by_seed_lo, by_seed_hi = test_by_seed(rows, lo), test_by_seed(rows, hi)
             pairs.append({"lower_in_paper": lo, "higher_in_paper": hi, "paper": (PAPER_PPL[lo], PAPER_PPL[hi]),
-                          "ours": (ours[lo], ours[hi]), "holds": ours[lo] < ours[hi], "seeds": common_seeds,
-                          "seeds_holding": sum(seeds_lo[k] < seeds_hi[k] for k in common_seeds)})  # fmt: skip
+                          "ours": (m_lo, m_hi), "holds": m_lo < m_hi, "seeds": seeds,
+                          "seeds_holding": sum(by_seed_lo[k] < by_seed_hi[k] for k in seeds)})  # fmt: skip
     return pairs
 
 
@@ -137,12 +141,14 @@ OUR_PAIRS = (("midx-rq", "midx-rq-uniform"), ("midx-rq", "unigram"), ("midx-rq",
 
 
 def our_pairs(rows: list[dict]) -> list[dict]:
-    """:data:`OUR_PAIRS` where both rows ran: the relative difference of their mean test perplexities."""
+    """:data:`OUR_PAIRS` run on a common seed: the relative difference of their mean test perplexities over the
+    seeds both ran."""
     out = []
     for a, b in OUR_PAIRS:
-        ma, mb = mean_test(rows, a), mean_test(rows, b)
-        if ma is not None and mb is not None:
-            out.append({"row": a, "against": b, "ours": (ma, mb), "relative": ma / mb - 1})
+        paired = paired_means(rows, a, b)
+        if paired is not None:
+            seeds, ma, mb = paired
+            out.append({"row": a, "against": b, "seeds": seeds, "ours": (ma, mb), "relative": ma / mb - 1})
     return out
 
 
@@ -176,7 +182,7 @@ def render(rows: list[dict], pairs: list[dict]) -> str:
         "values. Test perplexity is exact (full softmax).", "", table, "",
         "## By row: mean over seeds", "", mean_table, "",
         f"## The paper's orderings here: {len(held)} of {len(pairs)} pairs hold", "",
-        "Mean test perplexity over each row's seeds (the paper's figure in brackets); then on how many of the seeds both rows ran the pair holds.", "",
+        "Mean test perplexity over the seeds both rows ran (the paper's figure in brackets); then on how many of those seeds the pair holds.", "",
     ]  # fmt: skip
     for p in pairs:
         lines.append(f"- {'holds' if p['holds'] else 'does not hold'}: {p['lower_in_paper']} {f(p['ours'][0])} "
@@ -184,9 +190,9 @@ def render(rows: list[dict], pairs: list[dict]) -> str:
                      f"on {p['seeds_holding']} of {len(p['seeds'])} seeds run by both")  # fmt: skip
     ours = our_pairs(rows)
     if ours:
-        lines += ["", "## Our rows against the rows they change", "", "Mean test perplexity over each row's seeds.", ""]
-        lines += [f"- {o['row']} {f(o['ours'][0])} against {o['against']} {f(o['ours'][1])}: {100 * o['relative']:+.1f}%"
-                  for o in ours]  # fmt: skip
+        lines += ["", "## Our rows against the rows they change", "", "Mean test perplexity over the seeds both rows ran.", ""]
+        lines += [f"- {o['row']} {f(o['ours'][0])} against {o['against']} {f(o['ours'][1])}: {100 * o['relative']:+.1f}% "
+                  f"(seeds {', '.join(map(str, o['seeds']))})" for o in ours]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
