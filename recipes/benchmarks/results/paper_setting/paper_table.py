@@ -7,8 +7,8 @@ Each ROW_DIR holds one ``compare_samplers.json`` (one sampler, one seed: the row
 worktree of a fixed commit, and finish at different times). Writes ``table.json`` (every row: its commit, test
 perplexity by epoch, validation perplexity by epoch, tokens/s, the proposal's coverage at the end; each row's mean
 and sd over its seeds), ``table.md`` (the table beside the paper's figures; every pair of rows the paper orders,
-said to hold here or not by the means over the seeds both rows ran and counted seed by seed; our rows against the rows they change) and
-``table_valid_ppl.png`` (validation perplexity by epoch). Rows run before the by-epoch test perplexity and the
+said to hold here or not by the means over the seeds both rows ran, and counted seed by seed; our rows against
+the rows they change) and ``table_valid_ppl.png`` (validation perplexity by epoch). Rows run before the by-epoch test perplexity and the
 coverage were recorded (commit ae829c5) take the coverage from the last logged ``midx/`` entry of their recipe
 log (``<sampler>.recipe.log`` beside the JSON) and have no test perplexity by epoch; an epoch whose checkpoint the
 run did not keep shows "-".
@@ -92,7 +92,9 @@ PAPER_ROWS = ("full", "midx-rq-uniform", "midx-pq-uniform", "unigram-logcount", 
 
 
 def test_by_seed(rows: list[dict], sampler: str) -> dict[int, float]:
-    return {r["seed"]: r["test_perplexity"] for r in rows if r["sampler"] == sampler and r["test_perplexity"] is not None}
+    """Test perplexity of ``sampler``'s rows by seed (rows without one left out)."""
+    ran = [r for r in rows if r["sampler"] == sampler and r["test_perplexity"] is not None]
+    return {r["seed"]: r["test_perplexity"] for r in ran}
 
 
 def by_sampler(rows: list[dict]) -> list[dict]:
@@ -182,7 +184,8 @@ def render(rows: list[dict], pairs: list[dict]) -> str:
         "values. Test perplexity is exact (full softmax).", "", table, "",
         "## By row: mean over seeds", "", mean_table, "",
         f"## The paper's orderings here: {len(held)} of {len(pairs)} pairs hold", "",
-        "Mean test perplexity over the seeds both rows ran (the paper's figure in brackets); then on how many of those seeds the pair holds.", "",
+        "Mean test perplexity over the seeds both rows ran (the paper's figure in brackets); then on how many of "
+        "those seeds the pair holds.", "",
     ]  # fmt: skip
     for p in pairs:
         lines.append(f"- {'holds' if p['holds'] else 'does not hold'}: {p['lower_in_paper']} {f(p['ours'][0])} "
@@ -190,7 +193,8 @@ def render(rows: list[dict], pairs: list[dict]) -> str:
                      f"on {p['seeds_holding']} of {len(p['seeds'])} seeds run by both")  # fmt: skip
     ours = our_pairs(rows)
     if ours:
-        lines += ["", "## Our rows against the rows they change", "", "Mean test perplexity over the seeds both rows ran.", ""]
+        lines += ["", "## Our rows against the rows they change", "", "Mean test perplexity over the seeds both rows ran.",
+                  ""]  # fmt: skip
         lines += [f"- {o['row']} {f(o['ours'][0])} against {o['against']} {f(o['ours'][1])}: {100 * o['relative']:+.1f}% "
                   f"(seeds {', '.join(map(str, o['seeds']))})" for o in ours]  # fmt: skip
     return "\n".join(lines) + "\n"
