@@ -8,10 +8,10 @@ worktree of a fixed commit, and finish at different times). Writes ``table.json`
 perplexity by epoch, validation perplexity by epoch, tokens/s, the proposal's coverage at the end; each row's mean
 and sd over its seeds), ``table.md`` (the table beside the paper's figures; every pair of rows the paper orders,
 said to hold here or not by the means over the seeds both rows ran, and counted seed by seed; our rows against
-the rows they change) and ``table_valid_ppl.png`` (validation perplexity by epoch). Rows run before the by-epoch test perplexity and the
-coverage were recorded (commit ae829c5) take the coverage from the last logged ``midx/`` entry of their recipe
-log (``<sampler>.recipe.log`` beside the JSON) and have no test perplexity by epoch; an epoch whose checkpoint the
-run did not keep shows "-".
+the rows they change) and ``table_valid_ppl.png`` (validation perplexity by epoch). Rows run before the by-epoch
+test perplexity and the coverage were recorded (commit ae829c5) take the coverage from the last logged ``midx/``
+entry of their recipe log (``<sampler>.recipe.log`` beside the JSON) and have no test perplexity by epoch; an epoch
+whose checkpoint the run did not keep shows "-".
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def orderings(rows: list[dict]) -> list[dict]:
     return pairs
 
 
-#: Our rows against the rows they change: (ours, theirs), each compared by mean test perplexity over its seeds.
+#: Our rows against the rows they change: (ours, theirs), compared on the seeds both ran.
 OUR_PAIRS = (("midx-rq", "midx-rq-uniform"), ("midx-rq", "unigram"), ("midx-rq", "full"),
              ("midx-rq-learned", "midx-rq"), ("unigram", "unigram-logcount"))  # fmt: skip
 
