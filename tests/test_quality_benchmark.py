@@ -3,14 +3,29 @@ bench_kl diagnostics table, on a tiny synthetic corpus (no network, no shared da
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
 import sys
 
 import pytest
 
-from _env import offline_env
 from test_benchmarks import REPO, _tiny_corpus, run_bench
+
+PAPER_TABLE = REPO / "recipes/benchmarks/results/paper_setting/paper_table.py"
+
+
+def _paper_table(*argv: str) -> None:
+    """paper_table.py's ``main`` in this process: a fresh Python spends most of the test importing what this one
+    already has (torch and transformers, through compare_samplers). The script puts recipes/benchmarks on sys.path to
+    import its siblings; that entry is taken off again so no later test imports a benchmark by accident."""
+    before = list(sys.path)
+    spec = importlib.util.spec_from_file_location("paper_table", PAPER_TABLE)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = before
+    module.main(list(argv))
 
 
 def test_compare_samplers_seeds(tmp_path):
@@ -64,9 +79,7 @@ def test_paper_profile_reports_test_perplexity_by_epoch_and_coverage(tmp_path):
     # paper_table.py sets the rows beside the paper's figures and says whether its ordering (full below its MIDX-pq)
     # holds.
     table = tmp_path / "table"
-    proc = subprocess.run([sys.executable, str(REPO / "recipes/benchmarks/results/paper_setting/paper_table.py"),
-                           str(out), "--out", str(table)], capture_output=True, text=True, env=offline_env(MPLBACKEND="Agg"))  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _paper_table(str(out), "--out", str(table))
     rows = {r["sampler"]: r for r in json.loads((table / "table.json").read_text())["rows"]}
     assert set(rows) == {"full", "midx-pq-uniform"} and len(rows["midx-pq-uniform"]["test_by_epoch"]) == 3
     full, other = (p["equal_epochs"][s]["test_perplexity"] for s in ("full", "midx-pq-uniform"))
@@ -95,9 +108,7 @@ def test_paper_table_orders_rows_by_their_mean_and_counts_the_seeds_where_each_o
     runs = [("full", 0, 280.0), ("full", 1, 290.0), ("midx-rq-uniform", 0, 300.0), ("midx-rq-uniform", 1, 330.0),
             ("midx-pq-uniform", 0, 310.0), ("midx-pq-uniform", 1, 322.0), ("midx-rq", 0, 285.0)]  # fmt: skip
     dirs = [str(_paper_row(tmp_path / f"{s}-s{k}", s, k, v)) for s, k, v in runs]
-    proc = subprocess.run([sys.executable, str(REPO / "recipes/benchmarks/results/paper_setting/paper_table.py"), *dirs,
-                           "--out", str(tmp_path / "table")], capture_output=True, text=True, env=offline_env(MPLBACKEND="Agg"))  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _paper_table(*dirs, "--out", str(tmp_path / "table"))
     table = json.loads((tmp_path / "table" / "table.json").read_text())
     by_row = {r["sampler"]: r for r in table["by_row"]}
     assert by_row["midx-rq-uniform"]["seeds"] == [0, 1] and by_row["midx-rq-uniform"]["mean"] == pytest.approx(315.0)

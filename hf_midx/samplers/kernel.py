@@ -9,6 +9,7 @@ import torch
 from .. import defaults
 from .._checks import check_positive_int, is_number
 from .._ops import row_chunks
+from ..registry import register
 from .base import Sampler
 
 
@@ -16,7 +17,6 @@ def check_positive_number(options: dict, name: str) -> None:
     """``options[name]``, when given, must be a number > 0."""
     if name in options and not (is_number(options[name]) and options[name] > 0):
         raise ValueError(f"{name} must be a number > 0, got {options[name]!r}.")
-from ..registry import register
 
 
 class _ExhaustiveSampler(Sampler):
